@@ -1,0 +1,445 @@
+"""ComposedLM: a base causal LM and k experts composed at every decoding step.
+
+Two backends share one interface:
+
+* `_SeparateModels`: k+1 full transformers models, one KV cache each.
+* `_SharedAdapters`: one base with k peft LoRA adapters. The batch is replicated k+1 times
+  (component-major) and one forward pass with peft's mixed-adapter batch
+  (`adapter_names=["__base__"]*B + [name_1]*B + ...`) returns every component; one cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LogitsProcessorList,
+    PreTrainedModel,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from composition.adapters import load_adapters_on_base
+from composition.rule import compose_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """The size of the model's output distribution (rows of the output embedding)."""
+    output_embeddings = model.get_output_embeddings()
+    if output_embeddings is not None and hasattr(output_embeddings, "weight"):
+        return int(output_embeddings.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers renamed `past_key_values` to `cache` during 5.x; pass whichever is native."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+class _SeparateModels:
+    """k+1 full models, run one after another, each with its own DynamicCache."""
+
+    def __init__(self, models: Sequence[PreTrainedModel]):
+        self.models = list(models)
+        self.cache_kwargs = [_cache_kwarg(model) for model in self.models]
+
+    @property
+    def device(self) -> torch.device:
+        return self.models[0].device
+
+    def new_cache(self):
+        return [DynamicCache(config=model.config) for model in self.models]
+
+    def forward(self, input_ids, attention_mask, position_ids, cache=None, logits_to_keep=0):
+        """Return logits (k+1, B, T', V) for every component, base first."""
+        outputs = []
+        for index, model in enumerate(self.models):
+            kwargs = {} if cache is None else {self.cache_kwargs[index]: cache[index], "use_cache": True}
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            ).logits  # (B, T', V)
+            outputs.append(logits)
+        return torch.stack(outputs)  # (k+1, B, T', V)
+
+
+class _SharedAdapters:
+    """One base with LoRA adapters; every component in one mixed-adapter forward pass."""
+
+    def __init__(self, peft_model, adapter_names: Sequence[str]):
+        self.model = peft_model
+        self.components = ["__base__", *adapter_names]
+        self.cache_kwarg = _cache_kwarg(peft_model.get_base_model())
+        self._names_for_batch: dict[int, list[str]] = {}
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_base_model().device
+
+    def new_cache(self):
+        return DynamicCache(config=self.model.get_base_model().config)
+
+    def _adapter_names(self, batch: int) -> list[str]:
+        if batch not in self._names_for_batch:
+            self._names_for_batch[batch] = [name for name in self.components for _ in range(batch)]
+        return self._names_for_batch[batch]
+
+    def forward(self, input_ids, attention_mask, position_ids, cache=None, logits_to_keep=0):
+        """Return logits (k+1, B, T', V): the batch runs once, replicated per component."""
+        n = len(self.components)
+        batch = input_ids.shape[0]
+        kwargs = {} if cache is None else {self.cache_kwarg: cache, "use_cache": True}
+        logits = self.model(
+            input_ids=input_ids.repeat(n, 1),  # ((k+1)·B, T')
+            attention_mask=attention_mask.repeat(n, 1),
+            position_ids=position_ids.repeat(n, 1),
+            adapter_names=self._adapter_names(batch),
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        ).logits  # ((k+1)·B, T', V)
+        return logits.view(n, batch, *logits.shape[1:])  # (k+1, B, T', V)
+
+
+class ComposedLM:
+    """Probability-space composition of a base causal LM and k experts sharing one vocabulary.
+
+    At every position, `log p̂ = log p_b + Σ_i w_i (log p_i − log p_b)`, renormalised
+    (Kumar, Bucarelli & Natale, 2026; see `compose_logprobs`).
+
+    Args:
+        base_model: a transformers causal LM.
+        expert_models: k causal LMs with the base's vocabulary.
+        weights: k exponents, default 1.0 each.
+        tokenizers: optional tokenizers, one per component (base first) or a single one for all;
+            when several are given their vocabularies must agree.
+    """
+
+    def __init__(
+        self,
+        base_model: PreTrainedModel,
+        expert_models: Sequence[PreTrainedModel],
+        weights: Sequence[float] | None = None,
+        tokenizers=None,
+    ):
+        if len(expert_models) == 0:
+            raise ValueError("`expert_models` must hold at least one model, got an empty sequence")
+        base_vocab = vocab_size(base_model)
+        for index, expert in enumerate(expert_models):
+            expert_vocab = vocab_size(expert)
+            if expert_vocab != base_vocab:
+                raise ValueError(
+                    f"vocabulary size mismatch: `expert_models[{index}]` has {expert_vocab} output "
+                    f"tokens, `base_model` has {base_vocab}; experts must share the base's vocabulary"
+                )
+        self._init_common(
+            _SeparateModels([base_model, *expert_models]),
+            names=[f"expert_{index}" for index in range(len(expert_models))],
+            weights=weights,
+            tokenizers=tokenizers,
+            generation_config=getattr(base_model, "generation_config", None),
+        )
+
+    def _init_common(self, backend, names, weights, tokenizers, generation_config):
+        self.backend = backend
+        self.expert_names = list(names)
+        self.num_experts = len(names)
+        if weights is not None:
+            weights = [float(w) for w in weights]
+            if len(weights) != self.num_experts:
+                raise ValueError(
+                    f"`weights` must hold one weight per expert ({self.num_experts}), got {len(weights)}"
+                )
+        self.weights = weights
+        self.tokenizer = _check_tokenizers(tokenizers, self.num_experts + 1)
+        self.generation_config = generation_config
+
+    @classmethod
+    def from_adapters(
+        cls,
+        base_model: PreTrainedModel,
+        adapters: Mapping[str, str | os.PathLike | object],
+        weights: Sequence[float] | None = None,
+        tokenizer=None,
+    ) -> "ComposedLM":
+        """Load several peft LoRA adapters onto one copy of `base_model`.
+
+        `adapters` maps a name to an adapter folder, a hub id, or a `PeftModel` whose active
+        adapter is taken. The LoRA layers are injected into `base_model` in place (no copy of the
+        base weights is made); use the returned object, not `base_model`, afterwards.
+        """
+        if not isinstance(adapters, Mapping) or len(adapters) == 0:
+            raise ValueError(
+                f"`adapters` must be a non-empty mapping of name -> adapter, got {adapters!r}"
+            )
+        peft_model, names = load_adapters_on_base(base_model, adapters)
+        self = cls.__new__(cls)
+        self._init_common(
+            _SharedAdapters(peft_model, names),
+            names=names,
+            weights=weights,
+            tokenizers=tokenizer,
+            generation_config=getattr(base_model, "generation_config", None),
+        )
+        return self
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        base: str | os.PathLike,
+        experts: Sequence[str | os.PathLike],
+        weights: Sequence[float] | None = None,
+        **model_kwargs,
+    ) -> "ComposedLM":
+        """Load a base and experts from local folders or hub ids.
+
+        An expert folder with `adapter_config.json` is a peft adapter; anything else is a full
+        checkpoint. All adapters: one shared base (`from_adapters`). All full checkpoints: one
+        model each. A mix: each adapter is merged into its own copy of the base
+        (`merge_and_unload`), since the shared-base path needs every expert to be an adapter.
+        """
+        if len(experts) == 0:
+            raise ValueError("`experts` must name at least one checkpoint or adapter, got none")
+        base_model = AutoModelForCausalLM.from_pretrained(base, **model_kwargs).eval()
+        tokenizer = _try_load_tokenizer(base)
+        is_adapter = [is_adapter_source(expert) for expert in experts]
+        names = [_name_from_path(expert, index) for index, expert in enumerate(experts)]
+        if len(set(names)) != len(names):
+            names = [f"{name}_{index}" for index, name in enumerate(names)]
+        if all(is_adapter):
+            return cls.from_adapters(base_model, dict(zip(names, experts)), weights, tokenizer)
+        expert_models, tokenizers = [], [tokenizer]
+        for expert, adapter in zip(experts, is_adapter):
+            if adapter:
+                from peft import PeftModel
+
+                fresh_base = AutoModelForCausalLM.from_pretrained(base, **model_kwargs)
+                expert_models.append(PeftModel.from_pretrained(fresh_base, expert).merge_and_unload().eval())
+                tokenizers.append(tokenizer)
+            else:
+                expert_models.append(AutoModelForCausalLM.from_pretrained(expert, **model_kwargs).eval())
+                tokenizers.append(_try_load_tokenizer(expert))
+        known = [t for t in tokenizers if t is not None]
+        self = cls(base_model, expert_models, weights, tokenizers=tokenizers if len(known) == len(tokenizers) else None)
+        self.expert_names = names
+        if self.tokenizer is None and known:
+            self.tokenizer = known[0]
+        return self
+
+    # ------------------------------------------------------------------ teacher-forced scoring
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @torch.no_grad()
+    def component_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced next-token log-probs of every component: `(k+1, B, T, V)`, base first."""
+        input_ids, attention_mask = self._prepare(input_ids, attention_mask)
+        position_ids = _position_ids(attention_mask)
+        logits = self.backend.forward(input_ids, attention_mask, position_ids)  # (k+1, B, T, V)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if torch.isnan(logprobs).any():
+            raise ValueError("a component produced NaN logits; check the model weights and dtype")
+        return logprobs
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced composed log-probs `(B, T, V)`."""
+        components = self.component_logprobs(input_ids, attention_mask)  # (k+1, B, T, V)
+        return compose_logprobs(components[0], list(components[1:]), self.weights)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        pad_token_id: int | None = None,
+        seed: int | None = None,
+    ) -> torch.Tensor:
+        """Decode from the composed distribution with one KV cache per component (or one shared one).
+
+        `input_ids` is `(B, T)`, left-padded when rows differ in length (`attention_mask` 0 on the
+        left). Returns `(B, T + n)` with n ≤ max_new_tokens: the prompt followed by the generated
+        tokens; a row that emitted EOS is filled with `pad_token_id` afterwards. In sampling, the
+        token drawn from the composed distribution is appended to every component's row.
+        `eos_token_id` and `pad_token_id` default to the base model's generation config.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
+        input_ids, attention_mask = self._prepare(input_ids, attention_mask)
+        _check_left_padded(attention_mask)
+        eos_ids, pad_id = self._special_ids(eos_token_id, pad_token_id)
+        warpers = _warpers(do_sample, temperature, top_k, top_p)
+        generator = None
+        if do_sample and seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+
+        batch, prompt_length = input_ids.shape
+        total = prompt_length + max_new_tokens
+        # Preallocated buffers: each step writes one column, nothing is re-concatenated.
+        sequences = torch.full((batch, total), pad_id, dtype=input_ids.dtype, device=self.device)
+        sequences[:, :prompt_length] = input_ids
+        full_mask = torch.ones((batch, total), dtype=attention_mask.dtype, device=self.device)
+        full_mask[:, :prompt_length] = attention_mask
+        position_ids = _position_ids(attention_mask)  # (B, T)
+        next_positions = position_ids[:, -1:] + 1  # (B, 1)
+        unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
+
+        cache = self.backend.new_cache()
+        logits = self.backend.forward(input_ids, attention_mask, position_ids, cache, logits_to_keep=1)
+        length = prompt_length
+        for _ in range(max_new_tokens):
+            step_logits = logits[:, :, -1]  # (k+1, B, V)
+            scores = compose_logprobs(step_logits[0], list(step_logits[1:]), self.weights)  # (B, V)
+            if do_sample:
+                scores = warpers(sequences[:, :length], scores)
+                probabilities = torch.softmax(scores, dim=-1)
+                next_tokens = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)  # (B,)
+            else:
+                next_tokens = scores.argmax(dim=-1)  # (B,)
+            next_tokens = torch.where(unfinished, next_tokens, pad_id)
+            sequences[:, length] = next_tokens
+            length += 1
+            if eos_ids is not None:
+                unfinished &= ~torch.isin(next_tokens, eos_ids)
+                if not unfinished.any():
+                    break
+            if length == total:
+                break
+            logits = self.backend.forward(
+                next_tokens[:, None], full_mask[:, :length], next_positions, cache, logits_to_keep=1
+            )
+            next_positions += 1
+        return sequences[:, :length]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _prepare(self, input_ids, attention_mask):
+        if input_ids.dim() != 2:
+            raise ValueError(f"`input_ids` must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        input_ids = input_ids.to(self.device)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        elif attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        return input_ids, attention_mask.to(self.device).long()
+
+    def _special_ids(self, eos_token_id, pad_token_id):
+        config = self.generation_config
+        if eos_token_id is None and config is not None:
+            eos_token_id = config.eos_token_id
+        if pad_token_id is None and config is not None:
+            pad_token_id = config.pad_token_id
+        eos_ids = None
+        if eos_token_id is not None:
+            eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+            eos_ids = torch.tensor(eos_list, device=self.device)
+            if pad_token_id is None:
+                pad_token_id = eos_list[0]
+        return eos_ids, (0 if pad_token_id is None else int(pad_token_id))
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding: (B, T), 0 at each row's first real token."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _check_left_padded(attention_mask: torch.Tensor) -> None:
+    # Left padding means each row is non-decreasing: 0…0 1…1.
+    if (attention_mask[:, 1:] < attention_mask[:, :-1]).any():
+        raise ValueError(
+            "`attention_mask` must be left-padded for generation (rows of the form 0…0 1…1); "
+            "got a row with padding on the right. Set `tokenizer.padding_side = 'left'`."
+        )
+    if (attention_mask[:, -1] == 0).any():
+        raise ValueError("`attention_mask` has a row with no tokens; every prompt needs at least one")
+
+
+def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:
+    """transformers' own warpers, applied to the composed log-probs when sampling."""
+    warpers = LogitsProcessorList()
+    if not do_sample:
+        return warpers
+    if temperature is not None and temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+def _check_tokenizers(tokenizers, n_components: int):
+    """Return one tokenizer for the composition, after checking that all given ones agree."""
+    if tokenizers is None:
+        return None
+    if not isinstance(tokenizers, (list, tuple)):
+        return tokenizers
+    if len(tokenizers) != n_components:
+        raise ValueError(
+            f"`tokenizers` must hold one tokenizer per component ({n_components}, base first), "
+            f"got {len(tokenizers)}"
+        )
+    base_vocab = tokenizers[0].get_vocab()
+    for index, tokenizer in enumerate(tokenizers[1:]):
+        vocab = tokenizer.get_vocab()
+        if vocab != base_vocab:
+            differing = sorted(set(vocab.items()) ^ set(base_vocab.items()))[:5]
+            raise ValueError(
+                f"tokenizer mismatch: the tokenizer of expert {index} ({len(vocab)} tokens) differs from "
+                f"the base's ({len(base_vocab)} tokens); first differing (token, id) pairs: {differing}"
+            )
+    return tokenizers[0]
+
+
+def is_adapter_source(source: str | os.PathLike) -> bool:
+    """True if `source` (a local folder or hub id) holds a peft adapter rather than a full model."""
+    path = Path(source)
+    if path.exists():
+        return (path / "adapter_config.json").is_file()
+    try:
+        from peft import PeftConfig
+
+        PeftConfig.from_pretrained(str(source))
+        return True
+    except Exception:  # noqa: BLE001 - any failure to find an adapter config means "not an adapter"
+        return False
+
+
+def _try_load_tokenizer(source):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer is valid
+        return None
+
+
+def _name_from_path(source, index: int) -> str:
+    name = Path(str(source).rstrip("/")).name.replace(".", "_") or f"expert_{index}"
+    return name if name != "__base__" else f"expert_{index}"

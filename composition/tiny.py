@@ -1,0 +1,71 @@
+"""Tiny random Llama models and LoRA adapters, for the demo, the tests and the benchmarks.
+
+Nothing here downloads: every model is built from a config with a seeded random init.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_llama_config(
+    vocab_size: int = 64,
+    hidden_size: int = 32,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    initializer_range: float = 0.2,
+) -> LlamaConfig:
+    """A Llama config; a larger-than-usual init keeps random next-token distributions peaked."""
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=initializer_range,
+    )
+
+
+def random_llama(config: LlamaConfig, seed: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def random_lora_adapter(
+    base: LlamaForCausalLM,
+    out_dir: str | Path,
+    seed: int,
+    rank: int = 4,
+    target_modules: list[str] | None = None,
+    scale: float = 1.0,
+) -> Path:
+    """Save a LoRA adapter with random A and B (so ΔW ≠ 0) for `base` to `out_dir`."""
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=rank,
+        target_modules=target_modules or ALL_LINEAR,
+        init_lora_weights=False,
+        lora_dropout=0.0,
+    )
+    peft_model = get_peft_model(copy.deepcopy(base), config)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_" in name:
+                parameter.mul_(scale)
+    peft_model.save_pretrained(str(out_dir))
+    return Path(out_dir)

@@ -1,0 +1,1 @@
+"""Parameter-space merging."""

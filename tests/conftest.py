@@ -1,0 +1,35 @@
+"""Session-scoped tiny random models (hidden 32, 2 layers, vocab 64) used by every test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_config():
+    return tiny_llama_config()
+
+
+@pytest.fixture(scope="session")
+def base_model(tiny_config):
+    return random_llama(tiny_config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def expert_models(tiny_config):
+    return [random_llama(tiny_config, seed=1), random_llama(tiny_config, seed=2)]
+
+
+@pytest.fixture(scope="session")
+def lora_dirs(base_model, tmp_path_factory):
+    """Two random LoRA adapters for `base_model`, saved as peft folders."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "ab": random_lora_adapter(base_model, root / "ab", seed=11),
+        "cd": random_lora_adapter(base_model, root / "cd", seed=12, target_modules=["q_proj", "v_proj", "down_proj"]),
+    }

@@ -1,0 +1,236 @@
+"""ComposedLM on tiny random Llama models and real peft LoRA adapters."""
+
+import copy
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import LlamaForCausalLM
+
+from composition import ComposedLM, compose_logprobs
+from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
+
+EOS = 2
+PAD = 0
+
+
+def left_padded_batch(lengths, vocab=64, seed=0):
+    """(B, T) ids and mask, left-padded, with ids drawn from [3, vocab) (no EOS in prompts)."""
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def naive_greedy(models, weights, input_ids, attention_mask, max_new_tokens, eos=EOS, pad=PAD):
+    """Re-run every model on the whole prefix at every step (no cache), compose, take the argmax."""
+    ids, mask = input_ids.clone(), attention_mask.clone()
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits = [m(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1] for m in models]
+        scores = compose_logprobs(logits[0], logits[1:], weights)
+        next_tokens = torch.where(finished, torch.tensor(pad), scores.argmax(-1))
+        ids = torch.cat([ids, next_tokens[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        finished |= next_tokens == eos
+        if finished.all():
+            break
+    return ids
+
+
+@pytest.fixture(scope="module")
+def composed_full(base_model, expert_models):
+    return ComposedLM(base_model, expert_models)
+
+
+@pytest.fixture(scope="module")
+def composed_lora(tiny_config, lora_dirs):
+    base = random_llama(tiny_config, seed=0)  # a private copy: from_adapters injects LoRA layers in place
+    return ComposedLM.from_adapters(base, {name: str(path) for name, path in lora_dirs.items()})
+
+
+def merged_adapter_model(tiny_config, adapter_dir):
+    base = random_llama(tiny_config, seed=0)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload().eval()
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def test_component_logprobs_shape_and_order(composed_full, base_model, expert_models):
+    ids, mask = left_padded_batch([5, 7, 3])
+    components = composed_full.component_logprobs(ids, mask)
+    assert components.shape == (3, 3, 7, 64)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    for index, model in enumerate([base_model, *expert_models]):
+        expected = torch.log_softmax(model(input_ids=ids, attention_mask=mask, position_ids=positions).logits, -1)
+        torch.testing.assert_close(components[index], expected)
+    composed = composed_full.logprobs(ids, mask)
+    torch.testing.assert_close(composed, compose_logprobs(components[0], list(components[1:])))
+
+
+def test_from_adapters_matches_separately_merged_models(composed_lora, tiny_config, lora_dirs):
+    ids, mask = left_padded_batch([6, 4], seed=3)
+    merged = [merged_adapter_model(tiny_config, lora_dirs[name]) for name in ["ab", "cd"]]
+    reference = ComposedLM(random_llama(tiny_config, seed=0), merged)
+    torch.testing.assert_close(
+        composed_lora.component_logprobs(ids, mask), reference.component_logprobs(ids, mask), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(composed_lora.logprobs(ids, mask), reference.logprobs(ids, mask), atol=1e-5, rtol=0)
+    # The adapters really change the output: the experts are not the base.
+    assert (composed_lora.component_logprobs(ids, mask)[1] - composed_lora.component_logprobs(ids, mask)[0]).abs().max() > 1e-2
+
+
+def test_from_adapters_keeps_one_copy_of_the_base(composed_lora):
+    base_weights = [p for n, p in composed_lora.backend.model.named_parameters() if "lora_" not in n]
+    lora_weights = [p for n, p in composed_lora.backend.model.named_parameters() if "lora_" in n]
+    config = composed_lora.backend.model.get_base_model().config
+    # One set of base weights (embedding + 2 layers + norm + head), plus only small LoRA factors.
+    assert sum(p.numel() for p in base_weights) == LlamaForCausalLM(config).num_parameters()
+    assert sum(p.numel() for p in lora_weights) < 0.5 * sum(p.numel() for p in base_weights)
+
+
+def test_from_adapters_accepts_peft_models(tiny_config, lora_dirs, composed_lora):
+    peft_models = {
+        name: PeftModel.from_pretrained(random_llama(tiny_config, seed=0), str(path)) for name, path in lora_dirs.items()
+    }
+    composed = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), peft_models)
+    ids, mask = left_padded_batch([5, 5], seed=4)
+    torch.testing.assert_close(composed.logprobs(ids, mask), composed_lora.logprobs(ids, mask))
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("which", ["full", "lora"])
+def test_cached_greedy_equals_naive_loop(which, composed_full, composed_lora, base_model, expert_models, tiny_config, lora_dirs):
+    ids, mask = left_padded_batch([4, 9, 6], seed=5)
+    if which == "full":
+        composed, models = composed_full, [base_model, *expert_models]
+    else:
+        composed = composed_lora
+        models = [random_llama(tiny_config, seed=0)] + [merged_adapter_model(tiny_config, lora_dirs[n]) for n in ["ab", "cd"]]
+    generated = composed.generate(ids, mask, max_new_tokens=12, eos_token_id=EOS, pad_token_id=PAD)
+    expected = naive_greedy(models, None, ids, mask, max_new_tokens=12)
+    assert generated.shape[0] == 3 and generated.shape[1] > ids.shape[1]
+    assert torch.equal(generated, expected)
+
+
+def test_rows_stop_at_eos_and_are_padded(composed_full):
+    ids, mask = left_padded_batch([5, 8, 3], seed=6)
+    free = composed_full.generate(ids, mask, max_new_tokens=10, eos_token_id=None, pad_token_id=PAD)
+    # Declare the first generated token of row 0 the EOS: row 0 must stop there, the others go on.
+    eos = int(free[0, ids.shape[1]])
+    stopped = composed_full.generate(ids, mask, max_new_tokens=10, eos_token_id=eos, pad_token_id=PAD)
+    assert stopped[0, ids.shape[1]] == eos
+    assert (stopped[0, ids.shape[1] + 1 :] == PAD).all()
+    for row in (1, 2):
+        generated = free[row, ids.shape[1] :]
+        hits = (generated == eos).nonzero()
+        end = int(hits[0]) + 1 if len(hits) else len(generated)
+        assert torch.equal(stopped[row, ids.shape[1] : ids.shape[1] + end], generated[:end])
+
+
+def test_sampling_is_reproducible_with_a_seed(composed_lora):
+    ids, mask = left_padded_batch([6, 6], seed=7)
+    kwargs = dict(max_new_tokens=15, do_sample=True, temperature=1.5, top_k=20, top_p=0.95, eos_token_id=None, pad_token_id=PAD)
+    first = composed_lora.generate(ids, mask, seed=123, **kwargs)
+    second = composed_lora.generate(ids, mask, seed=123, **kwargs)
+    other = composed_lora.generate(ids, mask, seed=124, **kwargs)
+    assert torch.equal(first, second)
+    assert not torch.equal(first, other)
+
+
+def test_sampling_appends_the_same_token_to_every_component(tiny_config, lora_dirs):
+    # Re-scoring the sampled sequence teacher-forced gives, at every generated position, the same
+    # composed distribution the sampler saw; so it must assign the sampled token positive mass.
+    composed = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
+    ids, mask = left_padded_batch([4], seed=8)
+    out = composed.generate(ids, mask, max_new_tokens=10, do_sample=True, top_k=3, seed=0, eos_token_id=None)
+    logprobs = composed.logprobs(out)  # (1, T, V)
+    prompt = ids.shape[1]
+    chosen = logprobs[0, prompt - 1 : -1].gather(-1, out[0, prompt:, None]).squeeze(-1)
+    top3 = logprobs[0, prompt - 1 : -1].topk(3, dim=-1).values[:, -1]
+    assert (chosen >= top3 - 1e-5).all()
+
+
+# ----------------------------------------------------------------------------- construction checks
+
+
+def test_vocabulary_mismatch_names_both_sides(base_model):
+    other = random_llama(tiny_llama_config(vocab_size=80), seed=3)
+    with pytest.raises(ValueError, match=r"expert_models\[0\]` has 80 .* `base_model` has 64"):
+        ComposedLM(base_model, [other])
+
+
+def test_no_experts_and_bad_weights(base_model, expert_models):
+    with pytest.raises(ValueError, match="at least one model"):
+        ComposedLM(base_model, [])
+    with pytest.raises(ValueError, match=r"one weight per expert \(2\), got 3"):
+        ComposedLM(base_model, expert_models, weights=[1, 1, 1])
+
+
+def test_tokenizer_mismatch(base_model, expert_models):
+    class Vocab:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    same = {f"t{i}": i for i in range(64)}
+    different = dict(same, t5=6, t6=5)
+    ComposedLM(base_model, expert_models, tokenizers=[Vocab(same)] * 3)
+    with pytest.raises(ValueError, match="tokenizer mismatch: the tokenizer of expert 1"):
+        ComposedLM(base_model, expert_models, tokenizers=[Vocab(same), Vocab(same), Vocab(different)])
+
+
+def test_adapter_for_another_base_is_refused(tmp_path, lora_dirs):
+    wider = random_llama(tiny_llama_config(hidden_size=48), seed=0)
+    with pytest.raises(ValueError, match=r"adapter `ab` was made for another base: .* has shape"):
+        ComposedLM.from_adapters(wider, {"ab": str(lora_dirs["ab"])})
+
+
+def test_bad_adapter_names_and_left_padding(tiny_config, lora_dirs, composed_full):
+    with pytest.raises(ValueError, match="not allowed"):
+        ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {"__base__": str(lora_dirs["ab"])})
+    ids, mask = left_padded_batch([3, 5])
+    with pytest.raises(ValueError, match="left-padded"):
+        composed_full.generate(ids, mask.flip(-1), max_new_tokens=2)
+
+
+def test_nan_logits_raise(tiny_config):
+    broken = random_llama(tiny_config, seed=5)
+    with torch.no_grad():
+        broken.lm_head.weight[3, 0] = float("nan")
+    composed = ComposedLM(random_llama(tiny_config, seed=0), [broken])
+    with pytest.raises(ValueError, match="NaN"):
+        composed.logprobs(torch.tensor([[4, 5, 6]]))
+    with pytest.raises(ValueError, match="NaN"):
+        composed.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=2)
+
+
+# ----------------------------------------------------------------------------- from_pretrained
+
+
+def test_from_pretrained_tells_adapters_from_checkpoints(tmp_path, tiny_config, lora_dirs, expert_models, composed_lora):
+    base_dir = tmp_path / "base"
+    random_llama(tiny_config, seed=0).save_pretrained(base_dir)
+    ids, mask = left_padded_batch([5, 3], seed=9)
+
+    adapters_only = ComposedLM.from_pretrained(base_dir, [lora_dirs["ab"], lora_dirs["cd"]])
+    assert type(adapters_only.backend).__name__ == "_SharedAdapters"
+    torch.testing.assert_close(adapters_only.logprobs(ids, mask), composed_lora.logprobs(ids, mask), atol=1e-5, rtol=0)
+
+    full_dir = tmp_path / "full"
+    expert_models[0].save_pretrained(full_dir)
+    mixed = ComposedLM.from_pretrained(base_dir, [full_dir, lora_dirs["cd"]])
+    assert type(mixed.backend).__name__ == "_SeparateModels"
+    reference = ComposedLM(random_llama(tiny_config, seed=0), [expert_models[0], merged_adapter_model(tiny_config, lora_dirs["cd"])])
+    torch.testing.assert_close(mixed.logprobs(ids, mask), reference.logprobs(ids, mask), atol=1e-5, rtol=0)
