@@ -29,6 +29,7 @@ from transformers import (
 
 from composition.adapters import load_adapters_on_base
 from composition.rule import compose_logprobs
+from composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
 
 logger = logging.getLogger(__name__)
 
@@ -78,20 +79,38 @@ class _SeparateModels:
 
 
 class _SharedAdapters:
-    """One base with LoRA adapters; every component in one mixed-adapter forward pass."""
+    """One base with LoRA adapters; every component in one forward pass over a replicated batch.
 
-    def __init__(self, peft_model, adapter_names: Sequence[str]):
-        self.model = peft_model
+    Rows are component-major: `[base | expert_1 | … | expert_k]`, B rows each. Two
+    implementations give the same numbers (pinned in tests):
+
+    * "stacked" (default, faster): the LoRA products of all experts are added with one batched
+      matmul per module (`StackedLoRA`), on the plain base model.
+    * "peft": peft's mixed-adapter batch, `adapter_names=["__base__"]*B + [name_1]*B + ...`.
+    """
+
+    def __init__(self, peft_model, adapter_names: Sequence[str], implementation: str = "stacked"):
+        if implementation not in ("stacked", "peft"):
+            raise ValueError(f"`lora_implementation` must be 'stacked' or 'peft', got {implementation!r}")
         self.components = ["__base__", *adapter_names]
-        self.cache_kwarg = _cache_kwarg(peft_model.get_base_model())
+        self.stacked = None
+        if implementation == "stacked":
+            try:
+                self.stacked = StackedLoRA(peft_model, adapter_names)
+            except StackedLoRAUnsupported as reason:
+                logger.info("using peft's mixed-adapter batches: %s", reason)
+        self.implementation = "stacked" if self.stacked is not None else "peft"
+        self.model = self.stacked.model if self.stacked is not None else peft_model
+        self.base_model = self.model if self.stacked is not None else peft_model.get_base_model()
+        self.cache_kwarg = _cache_kwarg(self.base_model)
         self._names_for_batch: dict[int, list[str]] = {}
 
     @property
     def device(self) -> torch.device:
-        return self.model.get_base_model().device
+        return self.base_model.device
 
     def new_cache(self):
-        return DynamicCache(config=self.model.get_base_model().config)
+        return DynamicCache(config=self.base_model.config)
 
     def _adapter_names(self, batch: int) -> list[str]:
         if batch not in self._names_for_batch:
@@ -103,14 +122,18 @@ class _SharedAdapters:
         n = len(self.components)
         batch = input_ids.shape[0]
         kwargs = {} if cache is None else {self.cache_kwarg: cache, "use_cache": True}
-        logits = self.model(
+        inputs = dict(
             input_ids=input_ids.repeat(n, 1),  # ((k+1)·B, T')
             attention_mask=attention_mask.repeat(n, 1),
             position_ids=position_ids.repeat(n, 1),
-            adapter_names=self._adapter_names(batch),
             logits_to_keep=logits_to_keep,
             **kwargs,
-        ).logits  # ((k+1)·B, T', V)
+        )
+        if self.stacked is not None:
+            with self.stacked.active():
+                logits = self.model(**inputs).logits  # ((k+1)·B, T', V)
+        else:
+            logits = self.model(**inputs, adapter_names=self._adapter_names(batch)).logits
         return logits.view(n, batch, *logits.shape[1:])  # (k+1, B, T', V)
 
 
@@ -174,12 +197,17 @@ class ComposedLM:
         adapters: Mapping[str, str | os.PathLike | object],
         weights: Sequence[float] | None = None,
         tokenizer=None,
+        lora_implementation: str = "stacked",
     ) -> "ComposedLM":
         """Load several peft LoRA adapters onto one copy of `base_model`.
 
         `adapters` maps a name to an adapter folder, a hub id, or a `PeftModel` whose active
-        adapter is taken. The LoRA layers are injected into `base_model` in place (no copy of the
-        base weights is made); use the returned object, not `base_model`, afterwards.
+        adapter is taken. No copy of the base weights is made: `base_model` itself is used (with
+        "stacked", forward hooks are added to its targeted linears, active only inside this
+        object's forward passes; with "peft", LoRA layers are injected into it in place).
+        `lora_implementation` picks how the experts run in one batched pass (see
+        `_SharedAdapters`); "stacked" falls back to "peft" for what it does not support (DoRA,
+        LoRA on embeddings).
         """
         if not isinstance(adapters, Mapping) or len(adapters) == 0:
             raise ValueError(
@@ -188,7 +216,7 @@ class ComposedLM:
         peft_model, names = load_adapters_on_base(base_model, adapters)
         self = cls.__new__(cls)
         self._init_common(
-            _SharedAdapters(peft_model, names),
+            _SharedAdapters(peft_model, names, lora_implementation),
             names=names,
             weights=weights,
             tokenizers=tokenizer,

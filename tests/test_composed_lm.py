@@ -87,13 +87,38 @@ def test_from_adapters_matches_separately_merged_models(composed_lora, tiny_conf
     assert (composed_lora.component_logprobs(ids, mask)[1] - composed_lora.component_logprobs(ids, mask)[0]).abs().max() > 1e-2
 
 
-def test_from_adapters_keeps_one_copy_of_the_base(composed_lora):
-    base_weights = [p for n, p in composed_lora.backend.model.named_parameters() if "lora_" not in n]
-    lora_weights = [p for n, p in composed_lora.backend.model.named_parameters() if "lora_" in n]
-    config = composed_lora.backend.model.get_base_model().config
-    # One set of base weights (embedding + 2 layers + norm + head), plus only small LoRA factors.
-    assert sum(p.numel() for p in base_weights) == LlamaForCausalLM(config).num_parameters()
-    assert sum(p.numel() for p in lora_weights) < 0.5 * sum(p.numel() for p in base_weights)
+@pytest.mark.parametrize("implementation", ["stacked", "peft"])
+def test_from_adapters_keeps_one_copy_of_the_base(implementation, tiny_config, lora_dirs):
+    composed = ComposedLM.from_adapters(
+        random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()}, lora_implementation=implementation
+    )
+    assert composed.backend.implementation == implementation
+    model = composed.backend.model
+    base_weights = [p for n, p in model.named_parameters() if "lora_" not in n]
+    # One set of base weights (embedding + 2 layers + norm + head); LoRA factors are small.
+    assert sum(p.numel() for p in base_weights) == LlamaForCausalLM(tiny_config).num_parameters()
+    lora_numel = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+    if implementation == "stacked":
+        lora_numel = sum(a.numel() + b.numel() for a, b in composed.backend.stacked.factors.values())
+    assert 0 < lora_numel < 0.5 * sum(p.numel() for p in base_weights)
+
+
+def test_stacked_and_peft_mixed_batches_agree(composed_lora, tiny_config, lora_dirs):
+    peft_path = ComposedLM.from_adapters(
+        random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()}, lora_implementation="peft"
+    )
+    ids, mask = left_padded_batch([7, 2, 5], seed=10)
+    torch.testing.assert_close(composed_lora.component_logprobs(ids, mask), peft_path.component_logprobs(ids, mask), atol=1e-5, rtol=0)
+    assert torch.equal(
+        composed_lora.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD),
+        peft_path.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD),
+    )
+
+
+def test_stacked_hooks_are_inactive_outside_the_composition(composed_lora, base_model):
+    ids = torch.tensor([[5, 6, 7, 8]])
+    # The shared base, called directly, is still the plain base model.
+    torch.testing.assert_close(composed_lora.backend.model(ids).logits, base_model(ids).logits)
 
 
 def test_from_adapters_accepts_peft_models(tiny_config, lora_dirs, composed_lora):
