@@ -1,1 +1,55 @@
-"""Analysis."""
+"""Where expert logit deltas overlap, whether the composition is projective, and whether merging ≈ composing.
+
+Pure diagnostics on tensors live in `analysis.diagnostics`; `OverlapAccumulator` streams them
+over batches in O(k·V + bins) memory; `measure_overlap` runs a `ComposedLM` (and a merge) over
+batches and returns an `OverlapReport`.
+"""
+
+from analysis.diagnostics import (
+    active_experts,
+    active_intervals,
+    centred_deltas,
+    coactivation_rate,
+    conditional_kl,
+    delta_supports,
+    expert_activity,
+    interaction_residual,
+    interval_intersections,
+    kl_divergence,
+    linearization_error,
+    merge_compose_gap,
+    overlap_weights,
+    restricted_projective_error,
+    sign_conflict_mass,
+    single_active_error,
+    top1_agreement,
+    weighted_overlap,
+)
+from analysis.measure import measure_overlap, rollout_batches
+from analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
+
+__all__ = [
+    "OverlapAccumulator",
+    "OverlapReport",
+    "OverlapSettings",
+    "active_experts",
+    "active_intervals",
+    "centred_deltas",
+    "coactivation_rate",
+    "conditional_kl",
+    "delta_supports",
+    "expert_activity",
+    "interaction_residual",
+    "interval_intersections",
+    "kl_divergence",
+    "linearization_error",
+    "measure_overlap",
+    "merge_compose_gap",
+    "overlap_weights",
+    "restricted_projective_error",
+    "rollout_batches",
+    "sign_conflict_mass",
+    "single_active_error",
+    "top1_agreement",
+    "weighted_overlap",
+]

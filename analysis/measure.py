@@ -1,0 +1,173 @@
+"""The model edge of the analysis: run a `ComposedLM` (and a merge) over batches, stream the diagnostics.
+
+Three things can be measured, each with `measure_overlap` on different sequences:
+
+* teacher-forced on given text (`analysis.data.make_batches`);
+* the composed model's own rollouts (`rollout_batches(..., source="composed")`), whose prefixes
+  no expert saw in training (e.g. both letters already replaced);
+* each expert's rollouts (`source=<expert name>`), or the base's (`source="base"`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
+from composition import ComposedLM, compose_logprobs
+
+
+@torch.no_grad()
+def model_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced log-probs `(B, T, V)` of one causal LM, with the positions `ComposedLM` uses.
+
+    Position ids skip left padding (0 at each row's first real token), so a merged model is
+    scored on exactly the positions the composed components see.
+    """
+    device = next(model.parameters()).device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    return torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
+
+
+def measure_overlap(
+    composed: ComposedLM,
+    batches: Iterable[Mapping[str, torch.Tensor]],
+    merged_model: torch.nn.Module | None = None,
+    scaled_expert_models: Sequence[torch.nn.Module] | None = None,
+    settings: OverlapSettings | None = None,
+    tokenizer=None,
+    progress: bool = True,
+    description: str = "overlap",
+) -> OverlapReport:
+    """Stream the overlap, projectivity and merge ≈ compose diagnostics over `batches`.
+
+    Args:
+        composed: the base and its k experts; `composed.weights` (default 1 each) are the
+            exponents of the composition, and the λ of the merge being compared.
+        batches: dicts with `input_ids` `(B, T)`, optional `attention_mask` `(B, T)` and optional
+            `measure_mask` `(B, T)` bool (the positions to measure; default the attention mask).
+        merged_model: the task-arithmetic merge `θ_b + λ Σ_i τ_i` as a causal LM, optional; gives
+            `merge_compose_gap` (and, with λ = 1 or `scaled_expert_models`, the interaction
+            residual).
+        scaled_expert_models: k causal LMs at `θ_b + λτ_i`, optional; give the single-expert
+            linearization error when λ ≠ 1.
+        settings: thresholds and sizes (`OverlapSettings`).
+        tokenizer: optional, to print tokens instead of ids in the report.
+
+    Returns:
+        An `OverlapReport`; `.to_dict()` holds the overlap.json keys.
+    """
+    if not isinstance(composed, ComposedLM):
+        raise ValueError(f"`composed` must be a ComposedLM, got {type(composed).__name__}")
+    if scaled_expert_models is not None and len(scaled_expert_models) != composed.num_experts:
+        raise ValueError(
+            f"`scaled_expert_models` must hold one model per expert ({composed.num_experts}), "
+            f"got {len(scaled_expert_models)}"
+        )
+    tokenizer = tokenizer if tokenizer is not None else composed.tokenizer
+    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
+    accumulator = None
+    for batch in tqdm(batches, desc=description, disable=not progress, leave=False):
+        input_ids = batch["input_ids"]
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        mask = batch.get("measure_mask")
+        mask = attention_mask.bool() if mask is None else mask.bool() & attention_mask.bool()
+        components = composed.component_logprobs(input_ids, attention_mask)  # (k+1, B, T, V)
+        if accumulator is None:
+            accumulator = OverlapAccumulator(
+                composed.expert_names, components.shape[-1], composed.weights, settings, decode=decode
+            )
+        composed_logprobs = compose_logprobs(components[0], list(components[1:]), composed.weights)  # (B, T, V)
+        merged = None if merged_model is None else model_logprobs(merged_model, input_ids, attention_mask)
+        scaled = None
+        if scaled_expert_models is not None:
+            scaled = torch.stack([model_logprobs(m, input_ids, attention_mask) for m in scaled_expert_models])
+        accumulator.update(
+            components,
+            mask.to(components.device),
+            composed=composed_logprobs,
+            merged=None if merged is None else merged.to(components.device),
+            scaled_experts=None if scaled is None else scaled.to(components.device),
+            input_ids=input_ids.to(components.device),
+        )
+    if accumulator is None:
+        raise ValueError("`batches` is empty; nothing to measure")
+    return accumulator.report()
+
+
+def with_weights(composed: ComposedLM, weights: Sequence[float]) -> ComposedLM:
+    """A shallow copy of `composed` (same models, same backend) with other exponents."""
+    if len(weights) != composed.num_experts:
+        raise ValueError(f"`weights` must hold one weight per expert ({composed.num_experts}), got {len(weights)}")
+    other = copy.copy(composed)
+    other.weights = [float(w) for w in weights]
+    return other
+
+
+def rollout_source(composed: ComposedLM, source: str) -> ComposedLM:
+    """The decoder for `source`: "composed", "base", or an expert's name.
+
+    A single component is decoded through the composition rule with one-hot exponents: with
+    `w_i = 1` and every other `w_j = 0`, the base's exponent `1 − Σw` is 0 and the rule returns
+    `log p_i` exactly; all zeros return `log p_b`.
+    """
+    if source == "composed":
+        return composed
+    if source == "base":
+        return with_weights(composed, [0.0] * composed.num_experts)
+    if source in composed.expert_names:
+        index = composed.expert_names.index(source)
+        return with_weights(composed, [float(i == index) for i in range(composed.num_experts)])
+    raise ValueError(f"`source` must be 'composed', 'base' or an expert name {composed.expert_names}, got {source!r}")
+
+
+@torch.no_grad()
+def rollout_batches(
+    composed: ComposedLM,
+    prompt_batches: Iterable[Mapping[str, torch.Tensor]],
+    source: str = "composed",
+    max_new_tokens: int = 32,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Greedy rollouts of `source` from each prompt, as batches ready for `measure_overlap`.
+
+    The measured positions are those whose distribution produced a generated token: from the
+    prompt's last token to the token before the last generated one (EOS included, padding
+    after EOS excluded).
+    """
+    decoder = rollout_source(composed, source)
+    if eos_token_id is None and composed.generation_config is not None:
+        eos_token_id = composed.generation_config.eos_token_id
+    eos_ids = None
+    if eos_token_id is not None:
+        eos_ids = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    batches = []
+    for batch in prompt_batches:
+        prompt, prompt_mask = batch["input_ids"], batch.get("attention_mask")
+        if prompt_mask is None:
+            prompt_mask = torch.ones_like(prompt)
+        sequences = decoder.generate(
+            prompt, prompt_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+        ).cpu()  # (B, P + n)
+        prompt_length = prompt.shape[1]
+        generated = sequences[:, prompt_length:]  # (B, n)
+        # A generated token is real up to and including the first EOS.
+        if eos_ids is None:
+            real = torch.ones_like(generated, dtype=torch.bool)
+        else:
+            is_eos = torch.isin(generated, eos_ids)
+            real = (is_eos.long().cumsum(-1) - is_eos.long()) == 0
+        attention = torch.cat([prompt_mask.cpu().long(), real.long()], dim=1)  # (B, P + n)
+        measured = torch.zeros_like(attention, dtype=torch.bool)
+        # Column c's distribution produced token c+1: measure c = P−1 … last real generated − 1.
+        measured[:, prompt_length - 1 : -1] = real
+        batches.append({"input_ids": sequences, "attention_mask": attention, "measure_mask": measured})
+    return batches

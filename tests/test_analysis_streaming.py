@@ -1,0 +1,148 @@
+"""The streaming accumulator: equal to the direct computation, independent of chunking, flat memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from analysis import diagnostics as dx
+from analysis.streaming import LogHistogram, OverlapAccumulator, OverlapSettings, PositionReservoir
+from composition import compose_logprobs
+
+
+def _components(seed: int, batch: int = 4, seq: int = 6, vocab: int = 16, k: int = 2) -> torch.Tensor:
+    torch.manual_seed(seed)
+    base = torch.randn(batch, seq, vocab)
+    # Per-position scales, so that each expert is active at some positions and not at others.
+    experts = [base + torch.randn(batch, seq, vocab) * torch.rand(batch, seq, 1) * scale for scale in (1.0, 2.0)[:k]]
+    return torch.log_softmax(torch.stack([base, *experts]), -1)  # (k+1, B, T, V)
+
+
+def _accumulate(chunks, masks, **kwargs) -> dict:
+    accumulator = OverlapAccumulator(["a", "b"], chunks[0].shape[-1], settings=OverlapSettings(reservoir_size=4), **kwargs)
+    for components, mask in zip(chunks, masks):
+        accumulator.update(components, mask)
+    return accumulator.report().to_dict()
+
+
+def test_pooled_overlap_equals_the_direct_computation_on_all_positions():
+    components = _components(0)
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[0, :2] = False  # padding is not measured
+    report = _accumulate([components], [mask])
+    base, experts = components[0][mask], components[1:][:, mask]  # (N, V), (k, N, V)
+    composed = compose_logprobs(base, list(experts))
+    centred = dx.centred_deltas(base, experts)
+    weight = dx.overlap_weights(base, experts[0], experts[1], composed)
+    product = (weight * centred[0].abs() * centred[1].abs()).sum()
+    norms = ((weight * centred[0] ** 2).sum() * (weight * centred[1] ** 2).sum()).sqrt()
+    conflict = (weight * centred[0].abs() * centred[1].abs())[centred[0] * centred[1] < 0].sum()
+    pair = report["pairs"]["a|b"]
+    assert pair["mass_overlap"] == pytest.approx(float(product / norms), rel=1e-5)
+    assert pair["sign_conflict"] == pytest.approx(float(conflict / product), rel=1e-5)
+    activity = dx.expert_activity(base, experts)
+    assert report["num_positions"] == 22
+    assert report["experts"]["b"]["kl_mean"] == pytest.approx(float(activity[1].mean()), rel=1e-5)
+    assert report["coactivation_rate"] == pytest.approx(dx.coactivation_rate(activity, 0.1), abs=1e-9)
+    assert report["experts"]["a"]["active_fraction"] == pytest.approx(float((activity[0] > 0.1).float().mean()))
+    single, eligible = dx.single_active_error(base, experts, composed, activity > 0.1)
+    assert 0 < int(eligible.sum()) < 22 and 0 < int((activity > 0.1).sum()) < 44
+    assert report["projective_error"]["single_active"] == pytest.approx(float(single[eligible].mean()), rel=1e-5)
+
+
+def test_result_does_not_depend_on_chunking():
+    components = _components(1, batch=6)
+    mask = torch.rand(6, 6, generator=torch.Generator().manual_seed(0)) > 0.2
+    whole = _accumulate([components], [mask])
+    split = _accumulate([components[:, :2], components[:, 2:3], components[:, 3:]], [mask[:2], mask[2:3], mask[3:]])
+    for key in ["num_positions", "num_sequences", "coactivation_rate", "coactivation_by_epsilon", "active_count_distribution"]:
+        assert whole[key] == pytest.approx(split[key])
+    for name in ["a", "b"]:
+        for key in ["kl_mean", "active_fraction", "projective_error", "interval_length_mean", "sequences_active_fraction"]:
+            assert whole["experts"][name][key] == pytest.approx(split["experts"][name][key], rel=1e-6)
+    assert whole["pairs"]["a|b"]["interval_iou_mean"] is not None
+    for key in ["mass_overlap", "sign_conflict", "support_jaccard", "interval_iou_mean"]:
+        assert whole["pairs"]["a|b"][key] == pytest.approx(split["pairs"]["a|b"][key], rel=1e-6)
+
+
+def _state_size(accumulator: OverlapAccumulator) -> int:
+    """Number of tensor elements the accumulator holds, histograms included."""
+    total = 0
+    for value in vars(accumulator).values():
+        if isinstance(value, torch.Tensor):
+            total += value.numel()
+        elif isinstance(value, LogHistogram):
+            total += value.counts.numel()
+        elif isinstance(value, list) and value and isinstance(value[0], LogHistogram):
+            total += sum(h.counts.numel() for h in value)
+    return total
+
+
+def test_memory_is_independent_of_the_number_of_tokens():
+    settings = OverlapSettings(reservoir_size=3, heatmap_sequences=2)
+    accumulator = OverlapAccumulator(["a", "b"], 16, settings=settings)
+    accumulator.update(_components(0), torch.ones(4, 6, dtype=torch.bool))
+    after_one = (_state_size(accumulator), len(accumulator.heatmap), len(accumulator.reservoir.samples()))
+    for seed in range(1, 20):
+        accumulator.update(_components(seed), torch.ones(4, 6, dtype=torch.bool))
+    after_many = (_state_size(accumulator), len(accumulator.heatmap), len(accumulator.reservoir.samples()))
+    assert after_one == after_many == (after_one[0], 2, 3)
+    assert accumulator.positions == 20 * 24
+
+
+def test_merged_equal_to_composed_gives_zero_gap_and_residual():
+    components = _components(2)
+    composed = compose_logprobs(components[0], list(components[1:]))
+    accumulator = OverlapAccumulator(["a", "b"], 16)
+    accumulator.update(components, torch.ones(4, 6, dtype=torch.bool), merged=composed + 2.0)
+    gap = accumulator.report().to_dict()["merge_compose_gap"]
+    assert gap["kl_mean"] < 1e-6 and gap["top1_agreement"] == 1.0
+    assert gap["interaction_residual_rms"] < 1e-5
+    # Another merge: positive gap, consistent with the direct KL.
+    other = torch.log_softmax(composed + torch.randn_like(composed), -1)
+    accumulator = OverlapAccumulator(["a", "b"], 16)
+    accumulator.update(components, torch.ones(4, 6, dtype=torch.bool), merged=other)
+    gap = accumulator.report().to_dict()["merge_compose_gap"]
+    assert gap["kl_mean"] == pytest.approx(float(dx.kl_divergence(composed, other).mean()), rel=1e-5)
+    assert gap["histogram"]["counts"][0] < 24  # not all in the "exactly 0" bin
+
+
+def test_log_histogram_bins_golden():
+    histogram = LogHistogram(low=1e-2, high=1e2, bins_per_decade=1)  # edges 1e-2, 1e-1, 1, 10, 100
+    histogram.add(torch.tensor([0.0, 0.005, 0.02, 0.5, 5.0, 50.0, 500.0, math.inf]))
+    assert histogram.counts.tolist() == [2, 1, 1, 1, 1, 2]
+    assert histogram.quantile(0.25) == pytest.approx(1e-2)
+    assert histogram.quantile(1.0) == math.inf
+
+
+def test_reservoir_keeps_every_item_with_equal_probability():
+    size, n, runs = 5, 20, 2000
+    kept = torch.zeros(n)
+    for run in range(runs):
+        reservoir = PositionReservoir(size, seed=run)
+        for chunk_start in range(0, n, 7):  # uneven chunks
+            chunk = min(7, n - chunk_start)
+            for slot, index in reservoir.select(chunk):
+                reservoir.store(slot, {"item": chunk_start + index})
+        items = [s["item"] for s in reservoir.samples()]
+        assert len(items) == size == len(set(items))
+        kept[items] += 1
+    frequency = kept / runs
+    # Each item is kept with probability size/n = 0.25; the binomial s.d. is ≈ 0.0097.
+    assert (frequency - size / n).abs().max().item() < 0.04
+
+
+def test_accumulator_rejects_wrong_shapes():
+    accumulator = OverlapAccumulator(["a", "b"], 16)
+    with pytest.raises(ValueError, match="`components`"):
+        accumulator.update(torch.zeros(2, 4, 6, 16), torch.ones(4, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="`mask`"):
+        accumulator.update(_components(0), torch.ones(4, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="`merged`"):
+        accumulator.update(_components(0), torch.ones(4, 6, dtype=torch.bool), merged=torch.zeros(4, 6, 15))
+    with pytest.raises(ValueError, match="`expert_names`"):
+        OverlapAccumulator(["a", "a"], 16)
+    with pytest.raises(ValueError, match="epsilons"):
+        OverlapSettings(epsilons=[-1.0])
