@@ -28,12 +28,15 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 SYSTEMS = ["base", "full", "lora", "naive"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="llama", choices=["llama", "gemma2-2b"],
+                        help="llama: sized by the flags below; gemma2-2b: a random Gemma-2-2B-shaped model")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8)
@@ -45,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--lora-implementation", default="stacked", choices=["stacked", "peft"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
@@ -61,59 +65,85 @@ def apply_smoke(args) -> None:
     args.batch_sizes = [1, 2]
 
 
+def model_config(args):
+    """The benchmark model's config: a Llama sized by the flags, or a Gemma-2-2B shape."""
+    from composition.tiny import tiny_llama_config
+
+    if args.arch == "gemma2-2b":
+        from transformers import Gemma2Config
+
+        # google/gemma-2-2b's shape: 26 layers, hidden 2304, 8 heads (4 KV) of 256, MLP 9216, vocab 256000.
+        return Gemma2Config(
+            vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+            num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
+            sliding_window=4096, bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.02,
+        )
+    return tiny_llama_config(
+        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
+        intermediate_size=args.intermediate, initializer_range=0.02,
+    )
+
+
 class Workbench:
     """The models for every system, built once from seeded random weights."""
 
     def __init__(self, args, systems):
         from composition import ComposedLM
-        from composition.tiny import ALL_LINEAR, random_llama, random_lora_adapter, tiny_llama_config
-        from peft import PeftModel
+        from composition.tiny import ALL_LINEAR
+        from peft import LoraConfig, PeftModel, get_peft_model
 
         self.args = args
-        dtype = getattr(torch, args.dtype)
-        config = tiny_llama_config(
-            vocab_size=args.vocab,
-            hidden_size=args.hidden,
-            num_layers=args.layers,
-            num_heads=args.heads,
-            intermediate_size=args.intermediate,
-            initializer_range=0.02,
-        )
-        self.config = config
         self.device = torch.device(args.device)
+        dtype = getattr(torch, args.dtype)
+        self.config = model_config(args)
 
         def fresh_base():
-            model = random_llama(config, seed=0).to(device=self.device, dtype=dtype)
+            # Same seed, same weights: built directly on the device, in the benchmark's dtype.
+            torch.manual_seed(0)
+            default_dtype = torch.get_default_dtype()
+            torch.set_default_dtype(dtype)
+            try:
+                with self.device:
+                    model = AutoModelForCausalLM.from_config(self.config)
+            finally:
+                torch.set_default_dtype(default_dtype)
             model.generation_config.eos_token_id = None  # every run makes exactly new_tokens tokens
             model.generation_config.pad_token_id = 0
             return model.eval()
 
-        self.systems = {}
         self._folder = tempfile.TemporaryDirectory()
-        base = random_llama(config, seed=0)
-        adapter_dirs = [
-            random_lora_adapter(base, Path(self._folder.name) / f"expert_{i}", seed=10 + i, rank=args.rank,
-                                target_modules=ALL_LINEAR, scale=0.05)
-            for i in range(2)
-        ]
+        base = fresh_base()
         self.parameters = base.num_parameters()
-        del base
-        needs_full = {"full", "naive"} & set(systems)
+        adapter_dirs = []
+        for index in range(2):
+            torch.manual_seed(10 + index)
+            lora = LoraConfig(r=args.rank, lora_alpha=args.rank, target_modules=ALL_LINEAR, init_lora_weights=False)
+            peft_model = get_peft_model(base, lora)
+            with torch.no_grad():
+                for name, parameter in peft_model.named_parameters():
+                    if "lora_" in name:
+                        parameter.mul_(0.05)
+            adapter_dirs.append(Path(self._folder.name) / f"expert_{index}")
+            peft_model.save_pretrained(str(adapter_dirs[-1]))
+            base = peft_model.unload()
+        del base, peft_model
+
+        self.systems = {}
         experts = []
-        if needs_full:
+        if {"full", "naive"} & set(systems):
             for adapter_dir in adapter_dirs:
-                merged = PeftModel.from_pretrained(fresh_base(), str(adapter_dir)).merge_and_unload()
-                experts.append(merged.eval())
-        if "base" in systems or "naive" in systems:
+                experts.append(PeftModel.from_pretrained(fresh_base(), str(adapter_dir)).merge_and_unload().eval())
+        if {"base", "full", "naive"} & set(systems):
             self.base = fresh_base()
         if "base" in systems:
             self.systems["base"] = self._run_base
         if "full" in systems:
-            self.full = ComposedLM(self.base if hasattr(self, "base") else fresh_base(), experts)
+            self.full = ComposedLM(self.base, experts)
             self.systems["full"] = lambda ids, mask: self.full.generate(ids, mask, max_new_tokens=args.new_tokens)
         if "lora" in systems:
             self.lora = ComposedLM.from_adapters(
-                fresh_base(), {f"expert_{i}": str(d) for i, d in enumerate(adapter_dirs)}
+                fresh_base(), {f"expert_{i}": str(d) for i, d in enumerate(adapter_dirs)},
+                lora_implementation=args.lora_implementation,
             )
             self.systems["lora"] = lambda ids, mask: self.lora.generate(ids, mask, max_new_tokens=args.new_tokens)
         if "naive" in systems:
@@ -141,7 +171,7 @@ class Workbench:
 
     def prompts(self, batch):
         generator = torch.Generator().manual_seed(batch)
-        ids = torch.randint(3, self.args.vocab, (batch, self.args.prompt_length), generator=generator)
+        ids = torch.randint(3, self.config.vocab_size, (batch, self.args.prompt_length), generator=generator)
         return ids.to(self.device), torch.ones_like(ids).to(self.device)
 
 
@@ -169,11 +199,12 @@ def time_systems(bench: Workbench, batch: int, repeats: int) -> dict[str, float]
 
 
 def peak_rss_mb(args, system: str) -> float:
-    """Peak RSS (MiB) of a fresh process that builds only `system` and decodes batch 1 once."""
+    """Peak RSS (MiB; on CUDA, peak device memory) of a fresh process that builds only `system` and decodes batch 1 once."""
     command = [sys.executable, "-m", "benchmarks.decode", "--memory-child", system]
     for key in ["hidden", "layers", "heads", "intermediate", "vocab", "rank", "prompt_length", "new_tokens"]:
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    command += ["--dtype", args.dtype, "--device", args.device]
+    command += ["--dtype", args.dtype, "--device", args.device, "--arch", args.arch,
+                "--lora-implementation", args.lora_implementation]
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return float(output.strip().splitlines()[-1])
 
@@ -182,7 +213,10 @@ def memory_child(args) -> None:
     bench = Workbench(args, [args.memory_child])
     ids, mask = bench.prompts(1)
     bench.systems[args.memory_child](ids, mask)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if bench.device.type == "cuda":
+        print(torch.cuda.max_memory_allocated() / 2**20)  # peak device memory, MiB
+    else:
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # peak RSS, MiB
 
 
 def main(argv=None) -> int:

@@ -334,18 +334,23 @@ class ComposedLM:
         position_ids = _position_ids(attention_mask)  # (B, T)
         next_positions = position_ids[:, -1:] + 1  # (B, 1)
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
+        # Greedy steps are checked for NaN on the device and the flag is read once at the end, so the
+        # loop has no host sync but the EOS check. Sampling validates every step: NaN must not reach
+        # the sampler.
+        invalid = torch.zeros((), dtype=torch.bool, device=self.device)
 
         cache = self.backend.new_cache()
         logits = self.backend.forward(input_ids, attention_mask, position_ids, cache, logits_to_keep=1)
         length = prompt_length
         for _ in range(max_new_tokens):
             step_logits = logits[:, :, -1]  # (k+1, B, V)
-            scores = compose_logprobs(step_logits[0], list(step_logits[1:]), self.weights)  # (B, V)
+            scores = compose_logprobs(step_logits[0], list(step_logits[1:]), self.weights, validate=do_sample)  # (B, V)
             if do_sample:
                 scores = warpers(sequences[:, :length], scores)
                 probabilities = torch.softmax(scores, dim=-1)
                 next_tokens = torch.multinomial(probabilities, 1, generator=generator).squeeze(1)  # (B,)
             else:
+                invalid |= torch.isnan(scores).any()
                 next_tokens = scores.argmax(dim=-1)  # (B,)
             next_tokens = torch.where(unfinished, next_tokens, pad_id)
             sequences[:, length] = next_tokens
@@ -360,6 +365,11 @@ class ComposedLM:
                 next_tokens[:, None], full_mask[:, :length], next_positions, cache, logits_to_keep=1
             )
             next_positions += 1
+        if invalid:
+            raise ValueError(
+                "the composed distribution was NaN at some step: a component produced NaN logits, or "
+                "every token was ruled out (-inf) by some component"
+            )
         return sequences[:, :length]
 
     # ------------------------------------------------------------------ helpers

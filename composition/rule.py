@@ -22,6 +22,7 @@ def compose_logprobs(
     experts: Sequence[torch.Tensor],
     weights: Sequence[float] | torch.Tensor | None = None,
     floor: float = LOGPROB_FLOOR,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Compose next-token distributions: log_softmax(b + Σ_i w_i (ℓ_i − b)).
 
@@ -32,6 +33,8 @@ def compose_logprobs(
             tensor of shape `(k,)` or `(k, ...)` broadcastable to `base.shape[:-1]`, e.g. per-position
             weights `(k, B, T)` for gating.
         floor: the finite value that -inf log-probs are clamped to where their exponent is ≤ 0.
+        validate: check for NaN and all-(-inf) rows (each check reads a flag back from the device).
+            A decoding loop may pass False and check the output for NaN itself, once.
 
     Returns:
         `(..., V)` float32 log-probs of the composed distribution, normalised over V.
@@ -66,7 +69,7 @@ def compose_logprobs(
                 f"shape mismatch: `experts[{index}]` has shape {tuple(expert.shape)}, "
                 f"`base` has {tuple(base.shape)}; all components must have the same shape"
             )
-    for name, tensor in [("base", base)] + [(f"experts[{i}]", e) for i, e in enumerate(experts)]:
+    for name, tensor in [("base", base)] + [(f"experts[{i}]", e) for i, e in enumerate(experts)] if validate else []:
         if torch.isnan(tensor).any():
             raise ValueError(f"`{name}` contains NaN; logits and log-probs must be finite or -inf")
         if torch.isneginf(tensor).all(dim=-1).any():
@@ -81,7 +84,7 @@ def compose_logprobs(
         expert_logprobs = torch.log_softmax(expert.float(), dim=-1)  # (..., V)
         total = total + _weighted(expert_logprobs, weight_tensor[index], floor)
 
-    if torch.isneginf(total).all(dim=-1).any():
+    if validate and torch.isneginf(total).all(dim=-1).any():
         raise ValueError(
             "every token is ruled out (-inf) by some component with a positive exponent at "
             "one or more positions; the composed distribution is undefined there"
