@@ -1,1 +1,31 @@
-"""Parameter-space merging."""
+"""Parameter-space merging: task vectors, merge methods in memory, mergekit merges on disk, LoRA experts.
+
+    θ = θ_base + λ · merge_i(w_i, τ_i),    τ_i = θ_i − θ_base
+
+The defaults follow the papers (TIES: global trim, sign elected on the unweighted trimmed task
+vectors, disjoint mean by count; DARE: rescale by 1/(1 − p)); `MERGEKIT_MODE` and `PEFT_MODE`
+select the libraries' definitions. See `merging.registry` for the methods.
+"""
+
+from merging.checkpoints import CheckpointMergeConfig, merge_checkpoints
+from merging.lora import LoraTrainingConfig, combine_lora_adapters, lora_delta_weights, train_lora_expert
+from merging.merge import MERGEKIT_MODE, PEFT_MODE, merge
+from merging.registry import METHODS, register
+from merging.settings import MergeSettings
+from merging.task_vector import TaskVector
+
+__all__ = [
+    "METHODS",
+    "MERGEKIT_MODE",
+    "PEFT_MODE",
+    "CheckpointMergeConfig",
+    "LoraTrainingConfig",
+    "MergeSettings",
+    "TaskVector",
+    "combine_lora_adapters",
+    "lora_delta_weights",
+    "merge",
+    "merge_checkpoints",
+    "register",
+    "train_lora_expert",
+]

@@ -1,0 +1,210 @@
+"""Task arithmetic, TIES, DARE and their kin as configured variants of one general method.
+
+    θ = θ_base + λ · merge_i( w_i, sparsify(τ_i) )
+
+1. sparsify each task vector τ_i: none, magnitude trim (TIES), random drop (DARE) or outlier
+   trim (Breadcrumbs);
+2. optionally elect a sign per entry and keep only the entries that agree with it (TIES);
+3. sum the weighted entries, optionally divided (normalize=True) by the count or the summed
+   weight of the entries that contributed;
+4. scale by λ and add to the base.
+
+Where the definitions differ (the choices are keywords of `merge`):
+
+* consensus="paper" (default): the sign is elected on the unweighted trimmed task vectors,
+  γ = sgn(Σ_i τ̂_i) (TIES paper, eq. 2; `sign_election="count"` uses sgn(Σ_i sgn τ̂_i)), and the
+  disjoint mean divides Σ_{i agrees} w_i τ̂_i by the *count* of agreeing non-zero entries. The paper
+  has no per-task weights; with all w_i = 1 this is its algorithm. peft's `merge_utils.ties` /
+  `dare_ties` compute the same (with trim_scope="per_tensor").
+* consensus="mergekit": the weights are applied *before* the election, γ = sgn(Σ_i w_i τ̂_i), and
+  the mean divides by the *sum of the weights* of the agreeing entries (mergekit's
+  `GeneralizedTaskArithmeticMerge`).
+* trim_scope="global" (the TIES paper) or "per_tensor" (mergekit, peft); see `sparsify.magnitude_trim`.
+* rescale="inverse" (DARE paper, peft: 1/(1 − p)) or "l1" (mergekit); see `sparsify.random_drop`.
+
+Exact zero sums elect +1 (as mergekit and peft do; the TIES reference code assigns the overall
+majority sign there). Tensors are merged one name at a time; a name missing from some task
+vectors counts as zero for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from mergekit.merge_methods.generalized_task_arithmetic import get_mask
+from tqdm.auto import tqdm
+
+from merging import settings as checks
+from merging.settings import MergeSettings
+from merging.sparsify import magnitude_trim, magnitude_trim_global, outlier_trim, random_drop
+
+# mergekit's names for the two sign elections.
+_MERGEKIT_ELECTION = {"mass": "sum", "count": "count"}
+
+
+@dataclass(frozen=True)
+class GeneralizedTaskArithmetic:
+    """One configured variant: which sparsification, whether to elect signs, and the defaults.
+
+    sparsification: None | "magnitude" | "random" | "outliers".
+    sign_consensus: elect a sign per entry and average only agreeing entries (TIES).
+    normalize_default: normalize=None resolves to this, per consensus convention
+        ({"paper": ..., "mergekit": ...}; mergekit's values are its registry's defaults).
+    trim_scope_default: the scope of the method's reference definition ("global" for TIES).
+    """
+
+    name: str
+    sparsification: str | None
+    sign_consensus: bool
+    normalize_default: Mapping[str, bool]
+    reference: str
+    trim_scope_default: str = "per_tensor"
+    global_trim_allowed: bool = True
+
+    def resolve(
+        self,
+        count: int,
+        *,
+        weights=None,
+        lam=1.0,
+        density=None,
+        drop_rate=None,
+        gamma=None,
+        seed=None,
+        consensus=None,
+        sign_election=None,
+        trim_scope=None,
+        rescale=None,
+        normalize=None,
+    ) -> MergeSettings:
+        """Check the keywords for this method and fill in its defaults."""
+        consensus = checks.check_choice("consensus", consensus or "paper", checks.CONSENSUS_VALUES)
+        lam = checks.check_real("lam", lam)
+        if self.sign_consensus and lam <= 0:
+            raise ValueError(
+                f"`lam` must be > 0 for `{self.name}` (a sign-elected merge scaled by λ ≤ 0 flips "
+                f"or erases the elected signs), got {lam}"
+            )
+        resolved = {
+            "method": self.name,
+            "weights": checks.check_weights(weights, count),
+            "lam": lam,
+            "consensus": consensus if self.sign_consensus else None,
+        }
+        if normalize is None:
+            normalize = self.normalize_default[consensus]
+        if not isinstance(normalize, bool):
+            raise ValueError(f"`normalize` must be True, False or None, got {normalize!r}")
+        resolved["normalize"] = normalize
+        if normalize and not self.sign_consensus and abs(sum(resolved["weights"])) < 1e-8:
+            raise ValueError(f"`weights` sum to {sum(resolved['weights'])}; normalize=True divides by that sum")
+
+        # Convention keywords are checked always, and recorded only where they apply, so one set of
+        # them (e.g. MERGEKIT_MODE) can be passed to every method.
+        for name, value, allowed in [
+            ("sign_election", sign_election, checks.SIGN_ELECTIONS),
+            ("trim_scope", trim_scope, checks.TRIM_SCOPES),
+            ("rescale", rescale, checks.RESCALES),
+        ]:
+            if value is not None:
+                checks.check_choice(name, value, allowed)
+        if seed is not None:
+            checks.check_seed(seed)
+        if self.sign_consensus:
+            resolved["sign_election"] = sign_election or "mass"
+
+        if self.sparsification == "random":
+            if density is not None and drop_rate is not None:
+                raise ValueError(f"give `drop_rate` or `density` (= 1 − drop_rate) for `{self.name}`, not both")
+            if density is not None:
+                drop_rate = 1.0 - checks.check_density(density)
+            if drop_rate is None:
+                raise ValueError(f"`{self.name}` needs `drop_rate` in [0, 1) (or `density` = 1 − drop_rate)")
+            resolved["drop_rate"] = checks.check_drop_rate(drop_rate)
+            resolved["seed"] = 0 if seed is None else seed
+            resolved["rescale"] = rescale or ("l1" if consensus == "mergekit" else "inverse")
+        elif drop_rate is not None:
+            raise ValueError(f"`drop_rate` does not apply to `{self.name}`; only DARE methods drop at random")
+
+        if self.sparsification in ("magnitude", "outliers"):
+            if density is None:
+                raise ValueError(f"`{self.name}` needs `density` in (0, 1], the fraction of entries kept")
+            resolved["density"] = checks.check_density(density)
+            scope = trim_scope or self.trim_scope_default
+            if scope == "global" and not self.global_trim_allowed:
+                raise ValueError(f"`trim_scope` must be 'per_tensor' for `{self.name}`, got 'global'")
+            resolved["trim_scope"] = scope
+        elif self.sparsification is None:
+            if density is not None:
+                raise ValueError(f"`density` does not apply to `{self.name}`, which keeps every entry")
+        if self.sparsification == "outliers":
+            resolved["gamma"] = checks.check_gamma(0.01 if gamma is None else gamma, resolved["density"])
+        elif gamma is not None:
+            raise ValueError(f"`gamma` does not apply to `{self.name}`; only breadcrumbs removes outliers")
+        return MergeSettings(**resolved)
+
+    def __call__(
+        self,
+        base: Mapping[str, torch.Tensor],
+        task_vectors: Sequence[Mapping[str, torch.Tensor]],
+        settings: MergeSettings,
+        progress: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """The merged tensors θ_base + λ · merged delta, for every name some task vector holds.
+
+        Returns tensors in the task vectors' dtype (float32, or float64); `merge` casts them back.
+        Random drops are drawn name by name, and for each name task vector by task vector, from
+        one generator seeded with `settings.seed` (the order in which peft and mergekit draw).
+        """
+        if self.sparsification == "magnitude" and settings.trim_scope == "global":
+            task_vectors = [magnitude_trim_global(task_vector, settings.density) for task_vector in task_vectors]
+        generator = None
+        names = list(dict.fromkeys(name for task_vector in task_vectors for name in task_vector))
+        result = {}
+        for name in tqdm(names, desc=f"{self.name} merge", disable=not progress, leave=False):
+            present = next(task_vector[name] for task_vector in task_vectors if name in task_vector)
+            if self.sparsification == "random" and generator is None:
+                generator = torch.Generator(device=present.device).manual_seed(settings.seed)
+            deltas = [
+                self._sparsify(task_vector[name], settings, generator) if name in task_vector else torch.zeros_like(present)
+                for task_vector in task_vectors
+            ]
+            stacked = torch.stack(deltas)  # (k, *shape)
+            weights = torch.tensor(settings.weights, dtype=stacked.dtype, device=stacked.device)  # (k,)
+            delta = self.merge_deltas(stacked, weights, settings)  # (*shape)
+            if settings.lam != 1.0:
+                delta = delta * settings.lam
+            result[name] = base[name].to(device=delta.device, dtype=delta.dtype) + delta
+        return result
+
+    def _sparsify(self, tensor: torch.Tensor, settings: MergeSettings, generator) -> torch.Tensor:
+        if self.sparsification == "magnitude" and settings.trim_scope == "per_tensor":
+            return magnitude_trim(tensor, settings.density)
+        if self.sparsification == "outliers":
+            return outlier_trim(tensor, settings.density, settings.gamma)
+        if self.sparsification == "random":
+            return random_drop(tensor, settings.drop_rate, settings.rescale, generator)
+        return tensor  # no sparsification, or already trimmed globally
+
+    def merge_deltas(self, stacked: torch.Tensor, weights: torch.Tensor, settings: MergeSettings) -> torch.Tensor:
+        """Merge k sparsified deltas of one tensor: (k, *shape) -> (*shape). Weights: (k,)."""
+        weights = weights.reshape(-1, *([1] * (stacked.dim() - 1)))  # (k, 1, ..., 1)
+        weighted = stacked * weights  # (k, *shape)
+        if not self.sign_consensus:
+            merged = weighted.sum(dim=0)
+            return merged / weights.sum() if settings.normalize else merged
+        election = _MERGEKIT_ELECTION[settings.sign_election]
+        if settings.consensus == "paper":
+            agrees = get_mask(stacked, method=election)  # sign elected on unweighted τ̂_i
+            contributors = agrees.to(stacked.dtype)  # divide by the count
+        else:
+            agrees = get_mask(weighted, method=election)  # sign elected on w_i τ̂_i
+            contributors = weights * agrees  # divide by the summed weight
+        merged = (weighted * agrees).sum(dim=0)
+        if not settings.normalize:
+            return merged
+        divisor = contributors.sum(dim=0)
+        divisor[divisor == 0] = 1
+        return merged / divisor

@@ -1,0 +1,81 @@
+"""Linear merge (weight averaging, "model soups": Wortsman et al., 2022, arXiv:2203.05482).
+
+    θ = Σ_i w_i θ_i / Σ_i w_i          (normalize=True, the default, as in mergekit)
+    θ = Σ_i w_i θ_i                    (normalize=False)
+
+The fine-tuned models are averaged; the base is not one of the averaged models. Given as task
+vectors, θ_i = θ_base + τ_i, so the first form is θ_base + Σ_i w_i τ_i / Σ_i w_i and the second
+(Σ_i w_i) θ_base + Σ_i w_i τ_i. λ does not apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from merging import settings as checks
+from merging.settings import MergeSettings
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str = "linear"
+    reference: str = "https://arxiv.org/abs/2203.05482"
+
+    def resolve(self, count: int, *, weights=None, lam=1.0, density=None, drop_rate=None, gamma=None,
+                normalize=None, consensus=None, sign_election=None, trim_scope=None, rescale=None,
+                seed=None) -> MergeSettings:
+        """Check the keywords; convention keywords (consensus, trim_scope, ...) are checked and ignored."""
+        for name, value in [("density", density), ("drop_rate", drop_rate), ("gamma", gamma)]:
+            if value is not None:
+                raise ValueError(f"`{name}` does not apply to `linear`, which keeps every entry")
+        if checks.check_real("lam", lam) != 1.0:
+            raise ValueError(f"`lam` does not apply to `linear` (use `weights`), got {lam}")
+        for name, value, allowed in [
+            ("consensus", consensus, checks.CONSENSUS_VALUES),
+            ("sign_election", sign_election, checks.SIGN_ELECTIONS),
+            ("trim_scope", trim_scope, checks.TRIM_SCOPES),
+            ("rescale", rescale, checks.RESCALES),
+        ]:
+            if value is not None:
+                checks.check_choice(name, value, allowed)
+        if seed is not None:
+            checks.check_seed(seed)
+        weights = checks.check_weights(weights, count)
+        normalize = True if normalize is None else normalize
+        if not isinstance(normalize, bool):
+            raise ValueError(f"`normalize` must be True, False or None, got {normalize!r}")
+        if normalize and abs(sum(weights)) < 1e-8:
+            raise ValueError(f"`weights` sum to {sum(weights)}; normalize=True divides by that sum")
+        return MergeSettings(method=self.name, weights=weights, normalize=normalize)
+
+    def __call__(
+        self,
+        base: Mapping[str, torch.Tensor],
+        task_vectors: Sequence[Mapping[str, torch.Tensor]],
+        settings: MergeSettings,
+        progress: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """θ for every floating-point tensor of `base` (a name missing from a task vector is θ_base there)."""
+        total = sum(settings.weights)
+        result = {}
+        for name in tqdm(list(base), desc="linear merge", disable=not progress, leave=False):
+            present = [task_vector[name] for task_vector in task_vectors if name in task_vector]
+            if not present:
+                dtype = torch.float64 if base[name].dtype == torch.float64 else torch.float32
+                merged = base[name].to(dtype) if settings.normalize else total * base[name].to(dtype)
+                result[name] = merged
+                continue
+            deltas = [task_vector.get(name, torch.zeros_like(present[0])) for task_vector in task_vectors]
+            stacked = torch.stack(deltas)  # (k, *shape)
+            weights = torch.tensor(settings.weights, dtype=stacked.dtype, device=stacked.device)
+            weighted = (stacked * weights.reshape(-1, *([1] * (stacked.dim() - 1)))).sum(dim=0)  # (*shape)
+            base_tensor = base[name].to(device=stacked.device, dtype=stacked.dtype)
+            if settings.normalize:
+                result[name] = base_tensor + weighted / total
+            else:
+                result[name] = total * base_tensor + weighted
+        return result

@@ -1,0 +1,150 @@
+"""`merge`: the in-memory entry point. Models, state dicts or task vectors in; a full state dict out."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from merging.io import atomic_output_dir, refuse_existing
+from merging.registry import get_method
+from merging.task_vector import TaskVector, check_same_shape, is_mergeable, state_dict_of
+
+# Pass as `merge(..., **MERGEKIT_MODE)` to follow mergekit's definitions (what `merge_checkpoints`
+# computes on disk), or `**PEFT_MODE` for peft's `merge_utils`. The defaults follow the papers.
+MERGEKIT_MODE = MappingProxyType({"consensus": "mergekit", "trim_scope": "per_tensor", "rescale": "l1"})
+PEFT_MODE = MappingProxyType({"consensus": "paper", "trim_scope": "per_tensor", "rescale": "inverse"})
+
+
+def merge(
+    method: str,
+    base,
+    finetuned_or_task_vectors: Sequence,
+    *,
+    weights: Sequence[float] | None = None,
+    lam: float = 1.0,
+    density: float | None = None,
+    drop_rate: float | None = None,
+    gamma: float | None = None,
+    seed: int | None = None,
+    consensus: str | None = None,
+    sign_election: str | None = None,
+    trim_scope: str | None = None,
+    rescale: str | None = None,
+    normalize: bool | None = None,
+    out_dir: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Merge k fine-tuned models (or task vectors) into `base`: θ = θ_base + λ · merge_i(w_i, τ_i).
+
+    Args:
+        method: a name in `merging.METHODS`: linear, task_arithmetic, ties, dare_linear,
+            dare_ties, magnitude_prune, breadcrumbs.
+        base: the base model (torch module) or its state dict.
+        finetuned_or_task_vectors: a list of k models, state dicts or `TaskVector`s (mixed is
+            fine); models and state dicts become τ_i = θ_i − θ_base.
+        weights: w_i per input, default 1.0 each.
+        lam: λ, scaling of the merged task vector (not for linear; > 0 for ties / dare_ties).
+        density: fraction of entries kept, in (0, 1]: ties, magnitude_prune, breadcrumbs (and
+            DARE as 1 − drop_rate).
+        drop_rate: DARE's p in [0, 1).
+        gamma: breadcrumbs' fraction of largest entries removed (default 0.01).
+        seed: DARE's random seed (default 0); the merge is deterministic given it.
+        consensus: "paper" (default) or "mergekit": where the weights enter the sign election
+            and what the disjoint mean divides by (see `merging.generalized_task_arithmetic`).
+        sign_election: "mass" (default, sgn Σ τ) or "count" (sgn Σ sgn τ).
+        trim_scope: "global" (TIES paper; ties' default) or "per_tensor" (mergekit, peft).
+        rescale: DARE's "inverse" (1/(1 − p); default) or "l1" (mergekit; default under
+            consensus="mergekit").
+        normalize: divide the merged delta by Σ w (or, with signs, by the count / the weights
+            of the agreeing entries); None takes the method's default (see `merging.registry`).
+        out_dir: also write the merged model there (atomically): `save_pretrained` for a
+            transformers model, `model.safetensors` for a state dict, and `merge_settings.yaml`
+            with the resolved settings.
+        overwrite: replace an existing `out_dir`.
+        progress: show a tqdm bar over tensors.
+
+    Returns:
+        The merged full state dict, same names, shapes and dtypes as `base`'s, loadable with
+        `model.load_state_dict`. Integer and bool buffers are copied from `base`. Tensors are
+        computed in float32 (float64 if the inputs are) and cast back.
+
+    Convention keywords (consensus, sign_election, trim_scope, rescale, seed) are checked for
+    every method and ignored where they do not apply, so `**MERGEKIT_MODE` fits every method;
+    density, drop_rate, gamma and lam raise where they do not apply. Inputs are never modified.
+
+    Raises:
+        ValueError: an unknown method (the valid ones are listed), a parameter out of range
+            (named, with the value and the range), or tensors whose names or shapes do not match.
+        FileExistsError: `out_dir` exists and `overwrite` is False.
+    """
+    merge_method = get_method(method)
+    if out_dir is not None:
+        refuse_existing(out_dir, overwrite)
+    base_state = state_dict_of(base, "base")
+    if isinstance(finetuned_or_task_vectors, (TaskVector, Mapping, torch.nn.Module)) or not isinstance(
+        finetuned_or_task_vectors, Sequence
+    ):
+        raise ValueError(
+            "`finetuned_or_task_vectors` must be a list of models, state dicts or TaskVectors, "
+            f"got {type(finetuned_or_task_vectors).__name__}"
+        )
+    if len(finetuned_or_task_vectors) == 0:
+        raise ValueError("`finetuned_or_task_vectors` must hold at least one model or task vector, got an empty list")
+    task_vectors = [_as_task_vector(item, base_state, index) for index, item in enumerate(finetuned_or_task_vectors)]
+    settings = merge_method.resolve(
+        len(task_vectors),
+        weights=weights,
+        lam=lam,
+        density=density,
+        drop_rate=drop_rate,
+        gamma=gamma,
+        seed=seed,
+        consensus=consensus,
+        sign_election=sign_election,
+        trim_scope=trim_scope,
+        rescale=rescale,
+        normalize=normalize,
+    )
+    float_base = {name: tensor for name, tensor in base_state.items() if is_mergeable(tensor)}
+    merged = merge_method(float_base, [task_vector.tensors for task_vector in task_vectors], settings, progress)
+    result = {
+        name: merged[name].to(device=tensor.device, dtype=tensor.dtype) if name in merged else tensor.clone()
+        for name, tensor in base_state.items()
+    }
+    if out_dir is not None:
+        with atomic_output_dir(out_dir, overwrite) as folder:
+            if hasattr(base, "save_pretrained"):
+                base.save_pretrained(folder, state_dict=result)
+            else:
+                save_file({name: tensor.contiguous() for name, tensor in result.items()}, str(folder / "model.safetensors"))
+            record = {
+                "settings": settings.model_dump(),
+                "inputs": [type(item).__name__ for item in finetuned_or_task_vectors],
+            }
+            (folder / "merge_settings.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    return result
+
+
+def _as_task_vector(item, base_state: Mapping[str, torch.Tensor], index: int) -> TaskVector:
+    """A TaskVector checked against `base_state`, or τ = item − base for a model / state dict."""
+    where = f"finetuned_or_task_vectors[{index}]"
+    if isinstance(item, TaskVector):
+        for name, tensor in item.tensors.items():
+            if name not in base_state:
+                raise ValueError(f"{where} has tensor `{name}`, which `base` does not have")
+            if not is_mergeable(base_state[name]):
+                raise ValueError(f"{where} has tensor `{name}`, which is a {base_state[name].dtype} buffer in `base`")
+            check_same_shape(name, base_state[name].shape, tensor.shape, what=("base", where))
+        return item
+    if isinstance(item, (torch.nn.Module, Mapping)):
+        try:
+            return TaskVector.from_state_dicts(base_state, state_dict_of(item, where))
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from error
+    raise ValueError(f"{where} must be a model, a state dict or a TaskVector, got {type(item).__name__}")

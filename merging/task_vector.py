@@ -1,0 +1,238 @@
+"""Task vectors τ = θ_ft − θ_base over named tensors (Ilharco et al., 2023, arXiv:2212.04089)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import os
+import re
+from collections.abc import Mapping
+
+import torch
+
+from merging.io import SafetensorsCheckpoint
+
+_LAYER = re.compile(r"^(?P<prefix>.*?\blayers?\.(?P<index>\d+))\.")
+
+
+def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """float32, or float64 if any input is float64: differences of bf16/fp16 weights are taken in float32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def is_mergeable(tensor: torch.Tensor) -> bool:
+    """Floating-point tensors are merged; integer and bool buffers are skipped, as in the task-vector code."""
+    return tensor.is_floating_point()
+
+
+def check_same_shape(name: str, first: torch.Size | tuple, second: torch.Size | tuple, what=("base", "finetuned")) -> None:
+    if tuple(first) != tuple(second):
+        raise ValueError(
+            f"shape mismatch for tensor `{name}`: {what[0]} has shape {tuple(first)}, "
+            f"{what[1]} has shape {tuple(second)}"
+        )
+
+
+def check_same_keys(first: set[str], second: set[str], what=("base", "finetuned")) -> None:
+    if first != second:
+        only_first, only_second = sorted(first - second), sorted(second - first)
+        raise ValueError(
+            f"tensor names differ: only in {what[0]}: {only_first[:5]}{' ...' if len(only_first) > 5 else ''}; "
+            f"only in {what[1]}: {only_second[:5]}{' ...' if len(only_second) > 5 else ''}"
+        )
+
+
+def state_dict_of(model_or_state_dict, argument: str) -> dict[str, torch.Tensor]:
+    """A detached {name: tensor} view of a torch module or a mapping of tensors (no copy)."""
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        return {name: tensor.detach() for name, tensor in model_or_state_dict.state_dict().items()}
+    if isinstance(model_or_state_dict, Mapping):
+        for name, tensor in model_or_state_dict.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"`{argument}` must map names to tensors, but `{name}` is a {type(tensor).__name__}")
+        return {name: tensor.detach() for name, tensor in model_or_state_dict.items()}
+    raise ValueError(
+        f"`{argument}` must be a torch module or a state dict (mapping of names to tensors), "
+        f"got {type(model_or_state_dict).__name__}"
+    )
+
+
+class TaskVector:
+    """A task vector τ = θ_ft − θ_base: one tensor per parameter name.
+
+    Only floating-point tensors are kept (integer and bool buffers are skipped, as in the task
+    vectors' reference code). Differences are stored in float32 (float64 if an input is float64)
+    so that bf16/fp16 checkpoints lose no precision in the subtraction. Operations never modify a
+    task vector in place; each returns a new one.
+
+    A tensor present in one task vector and absent from another counts as zero in `+`, `-` and
+    `cosine` (a LoRA task vector covers only the adapted modules). Shapes must match.
+    """
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                kind = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"task vector tensor `{name}` must be a floating-point tensor, got {kind}")
+        self.tensors: dict[str, torch.Tensor] = dict(tensors)
+
+    # ---- builders -------------------------------------------------------------------------
+
+    @classmethod
+    def from_state_dicts(cls, base: Mapping[str, torch.Tensor], finetuned: Mapping[str, torch.Tensor]) -> TaskVector:
+        """τ[name] = finetuned[name] − base[name] for every floating-point tensor.
+
+        Raises ValueError if the names differ or a pair of shapes differs (naming the tensor).
+        """
+        base = state_dict_of(base, "base")
+        finetuned = state_dict_of(finetuned, "finetuned")
+        check_same_keys(set(base), set(finetuned))
+        tensors = {}
+        for name, base_tensor in base.items():
+            finetuned_tensor = finetuned[name]
+            check_same_shape(name, base_tensor.shape, finetuned_tensor.shape)
+            if not (is_mergeable(base_tensor) and is_mergeable(finetuned_tensor)):
+                continue
+            dtype = compute_dtype(base_tensor.dtype, finetuned_tensor.dtype)
+            tensors[name] = finetuned_tensor.to(dtype) - base_tensor.to(dtype)
+        return cls(tensors)
+
+    @classmethod
+    def from_models(cls, base_model: torch.nn.Module, finetuned_model: torch.nn.Module) -> TaskVector:
+        """The task vector of two models with the same architecture (their state dicts)."""
+        return cls.from_state_dicts(state_dict_of(base_model, "base_model"), state_dict_of(finetuned_model, "finetuned_model"))
+
+    @classmethod
+    def from_checkpoints(cls, base_dir: str | os.PathLike, finetuned_dir: str | os.PathLike) -> TaskVector:
+        """The task vector of two safetensors checkpoint folders, read one tensor pair at a time.
+
+        Peak memory is the task vector plus one tensor pair, never two full models.
+        """
+        base, finetuned = SafetensorsCheckpoint(base_dir), SafetensorsCheckpoint(finetuned_dir)
+        check_same_keys(set(base.keys()), set(finetuned.keys()))
+        tensors = {}
+        for name in base.keys():
+            check_same_shape(name, base.shape(name), finetuned.shape(name))
+            base_tensor, finetuned_tensor = base.get(name), finetuned.get(name)
+            if not (is_mergeable(base_tensor) and is_mergeable(finetuned_tensor)):
+                continue
+            dtype = compute_dtype(base_tensor.dtype, finetuned_tensor.dtype)
+            tensors[name] = finetuned_tensor.to(dtype) - base_tensor.to(dtype)
+        return cls(tensors)
+
+    @classmethod
+    def from_lora(cls, base_model: torch.nn.Module, adapter) -> TaskVector:
+        """The dense task vector of a peft LoRA adapter: ΔW = scaling · B @ A for every adapted module.
+
+        `adapter` is a peft adapter folder (or hub id) or a PeftModel (its active adapter).
+        `scaling` is peft's: lora_alpha / r, or lora_alpha / √r with rsLoRA, per module with
+        rank_pattern / alpha_pattern; `modules_to_save` copies contribute their difference to the
+        base. DoRA adapters raise a ValueError: their merged weight m · (W + ΔW) / ‖W + ΔW‖ is not
+        W + ΔW. See `merging.lora.lora_delta_weights`.
+        """
+        from merging.lora import lora_delta_weights
+
+        return cls(lora_delta_weights(base_model, adapter))
+
+    # ---- algebra --------------------------------------------------------------------------
+
+    def _combine(self, other: TaskVector, sign: float) -> TaskVector:
+        if not isinstance(other, TaskVector):
+            raise ValueError(f"a task vector can only be added to a task vector, got {type(other).__name__}")
+        tensors = dict(self.tensors)
+        for name, tensor in other.tensors.items():
+            if name in tensors:
+                check_same_shape(name, tensors[name].shape, tensor.shape, what=("left operand", "right operand"))
+                tensors[name] = tensors[name] + sign * tensor
+            else:
+                tensors[name] = sign * tensor
+        return TaskVector(tensors)
+
+    def __add__(self, other: TaskVector) -> TaskVector:
+        return self._combine(other, 1.0)
+
+    def __radd__(self, other) -> TaskVector:
+        if isinstance(other, numbers.Number) and other == 0:  # sum([τ1, τ2]) starts from 0
+            return self
+        return self._combine(other, 1.0)
+
+    def __sub__(self, other: TaskVector) -> TaskVector:
+        return self._combine(other, -1.0)
+
+    def __neg__(self) -> TaskVector:
+        return TaskVector({name: -tensor for name, tensor in self.tensors.items()})
+
+    def __mul__(self, scalar: float) -> TaskVector:
+        if isinstance(scalar, bool) or not isinstance(scalar, numbers.Real):
+            raise ValueError(f"a task vector can only be multiplied by a real scalar, got {type(scalar).__name__}")
+        return TaskVector({name: tensor * float(scalar) for name, tensor in self.tensors.items()})
+
+    __rmul__ = __mul__
+
+    # ---- measurements ---------------------------------------------------------------------
+
+    def norm(self) -> float:
+        """The L2 norm over all tensors, ‖τ‖ = √(Σ_name ‖τ[name]‖²), accumulated in float64."""
+        return math.sqrt(sum(float(tensor.double().pow(2).sum()) for tensor in self.tensors.values()))
+
+    def dot(self, other: TaskVector) -> float:
+        """⟨τ, σ⟩ over the shared tensor names (a missing tensor is zero), in float64."""
+        total = 0.0
+        for name, tensor in self.tensors.items():
+            if name in other.tensors:
+                check_same_shape(name, tensor.shape, other.tensors[name].shape, what=("left operand", "right operand"))
+                total += float((tensor.double() * other.tensors[name].double()).sum())
+        return total
+
+    def cosine(self, other: TaskVector) -> float:
+        """cos(τ, σ) = ⟨τ, σ⟩ / (‖τ‖ ‖σ‖). Raises ValueError if either task vector is zero."""
+        if not isinstance(other, TaskVector):
+            raise ValueError(f"`other` must be a TaskVector, got {type(other).__name__}")
+        norms = self.norm(), other.norm()
+        if norms[0] == 0 or norms[1] == 0:
+            raise ValueError("the cosine is undefined for a zero task vector (norm 0)")
+        return self.dot(other) / (norms[0] * norms[1])
+
+    def layer_norms(self) -> dict[str, float]:
+        """L2 norm per layer: tensors under `...layers.<i>.` are grouped by layer; others by tensor name."""
+        squares: dict[str, float] = {}
+        for name, tensor in self.tensors.items():
+            match = _LAYER.match(name)
+            group = match["prefix"] if match else name
+            squares[group] = squares.get(group, 0.0) + float(tensor.double().pow(2).sum())
+        return {group: math.sqrt(value) for group, value in squares.items()}
+
+    # ---- application ----------------------------------------------------------------------
+
+    def apply_to(self, base, scale: float = 1.0):
+        """θ = θ_base + scale · τ, cast back to each base tensor's dtype.
+
+        `base` is a state dict (a new state dict is returned) or a torch module (a deep copy with
+        the new weights is returned). The input is never modified. Tensors of the base that the
+        task vector does not cover are copied unchanged.
+        """
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+            raise ValueError(f"`scale` must be a finite real number, got {scale!r}")
+        base_state = state_dict_of(base, "base")
+        for name, tensor in self.tensors.items():
+            if name not in base_state:
+                raise ValueError(f"the task vector has tensor `{name}`, which `base` does not have")
+            check_same_shape(name, base_state[name].shape, tensor.shape, what=("base", "task vector"))
+        result = {}
+        for name, base_tensor in base_state.items():
+            if name in self.tensors:
+                dtype = compute_dtype(base_tensor.dtype, self.tensors[name].dtype)
+                updated = base_tensor.to(dtype) + float(scale) * self.tensors[name].to(device=base_tensor.device, dtype=dtype)
+                result[name] = updated.to(base_tensor.dtype)
+            else:
+                result[name] = base_tensor.clone()
+        if isinstance(base, torch.nn.Module):
+            model = copy.deepcopy(base)
+            model.load_state_dict(result)
+            return model
+        return result
+
+    def __repr__(self) -> str:
+        count = sum(tensor.numel() for tensor in self.tensors.values())
+        return f"TaskVector({len(self.tensors)} tensors, {count} parameters, norm={self.norm():.4g})"
