@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from analysis.parameters import parameter_overlap
 from analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
 from composition import ComposedLM, compose_logprobs
 
@@ -40,6 +41,8 @@ def measure_overlap(
     merged_model: torch.nn.Module | None = None,
     scaled_expert_models: Sequence[torch.nn.Module] | None = None,
     settings: OverlapSettings | None = None,
+    task_vectors: Mapping[str, object] | None = None,
+    parameter_density: float = 0.2,
     tokenizer=None,
     progress: bool = True,
     description: str = "overlap",
@@ -57,6 +60,9 @@ def measure_overlap(
         scaled_expert_models: k causal LMs at `θ_b + λτ_i`, optional; give the single-expert
             linearization error when λ ≠ 1.
         settings: thresholds and sizes (`OverlapSettings`).
+        task_vectors: `{expert name: merging.TaskVector}`, optional; adds each pair's
+            parameter-space measures (`analysis.parameters.parameter_overlap` at
+            `parameter_density`) under `pairs[...]["parameter"]`, next to its output overlap.
         tokenizer: optional, to print tokens instead of ids in the report.
 
     Returns:
@@ -99,7 +105,16 @@ def measure_overlap(
         )
     if accumulator is None:
         raise ValueError("`batches` is empty; nothing to measure")
-    return accumulator.report()
+    report = accumulator.report()
+    if task_vectors is not None:
+        if list(task_vectors) != list(composed.expert_names):
+            raise ValueError(
+                f"`task_vectors` must be keyed by the expert names {composed.expert_names} in that order, "
+                f"got {list(task_vectors)}"
+            )
+        for key, measures in parameter_overlap(task_vectors, parameter_density).items():
+            report.pairs[key]["parameter"] = measures
+    return report
 
 
 def with_weights(composed: ComposedLM, weights: Sequence[float]) -> ComposedLM:
