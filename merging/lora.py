@@ -15,6 +15,7 @@ import copy
 import json
 import math
 import os
+import shutil
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,10 +186,9 @@ def combine_lora_adapters(
 
     with atomic_output_dir(out_dir, overwrite) as folder:
         peft_model.save_pretrained(str(folder / "save"), selected_adapters=[combined])
-        for path in (folder / "save" / combined).iterdir():
+        for path in (folder / "save" / combined).iterdir():  # peft saves a named adapter in a subfolder
             path.rename(folder / path.name)
-        (folder / "save" / combined).rmdir()
-        (folder / "save").rmdir()
+        shutil.rmtree(folder / "save")
         record = {
             "method": method,
             "rank": new_rank,
