@@ -140,7 +140,7 @@ class GeneralizedTaskArithmetic:
             if density is not None:
                 raise ValueError(f"`density` does not apply to `{self.name}`, which keeps every entry")
         if self.sparsification == "outliers":
-            resolved["gamma"] = checks.check_gamma(0.01 if gamma is None else gamma, resolved["density"])
+            resolved["gamma"] = checks.check_gamma(0.01 if gamma is None else gamma)
         elif gamma is not None:
             raise ValueError(f"`gamma` does not apply to `{self.name}`; only breadcrumbs removes outliers")
         return MergeSettings(**resolved)

@@ -68,10 +68,10 @@ def check_drop_rate(value) -> float:
     return value
 
 
-def check_gamma(value, density: float) -> float:
+def check_gamma(value) -> float:
     value = check_real("gamma", value)
-    if not 0.0 <= value < 1.0 or value + density > 1.0:
-        raise ValueError(f"`gamma` must be in [0, 1) with gamma + density ≤ 1 (density={density}), got {value}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"`gamma` must be in [0, 1), got {value}")
     return value
 
 

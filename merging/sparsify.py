@@ -70,6 +70,8 @@ def outlier_trim(tensor: torch.Tensor, density: float, gamma: float) -> torch.Te
     """Model Breadcrumbs (Davari & Belilovsky, 2023, arXiv:2312.06795), per tensor.
 
     Drop the ⌊gamma · numel⌋ largest |τ| (outliers), keep the next ⌊density · numel⌋ entries by
-    magnitude, zero the smallest. mergekit's `sparsify.magnitude_outliers` is called.
+    magnitude, zero the smallest. Where gamma + density > 1, fewer outliers are dropped so that
+    ⌊density · numel⌋ entries are kept; density=1 keeps everything. mergekit's
+    `sparsify.magnitude_outliers` is called.
     """
     return magnitude_outliers(tensor, density=density, gamma=gamma)
