@@ -102,6 +102,7 @@ def measure_overlap(
             merged=None if merged is None else merged.to(components.device),
             scaled_experts=None if scaled is None else scaled.to(components.device),
             input_ids=input_ids.to(components.device),
+            attention_mask=attention_mask.to(components.device),
         )
     if accumulator is None:
         raise ValueError("`batches` is empty; nothing to measure")

@@ -58,7 +58,7 @@ class LogHistogram:
     `[e_{i−1}, e_i)` between `low` and `high`, and the last bin `[high, ∞]`.
     """
 
-    def __init__(self, low: float = 1e-8, high: float = 1e2, bins_per_decade: int = 4):
+    def __init__(self, low: float = 1e-8, high: float = 1e2, bins_per_decade: int = 10):
         if not 0 < low < high:
             raise ValueError(f"need 0 < `low` < `high`, got low={low}, high={high}")
         decades = math.log10(high / low)
@@ -83,7 +83,8 @@ class LogHistogram:
         return float(uppers[min(index, len(uppers) - 1)])
 
     def to_dict(self) -> dict:
-        return {"edges": [0.0, *self.edges.tolist(), float("inf")], "counts": self.counts.tolist()}
+        """`counts[0]` is `[0, edges[0])`, `counts[i]` is `[edges[i-1], edges[i])`, `counts[-1]` is `[edges[-1], ∞]`."""
+        return {"edges": self.edges.tolist(), "counts": self.counts.tolist()}
 
 
 class PositionReservoir:
@@ -257,6 +258,7 @@ class OverlapAccumulator:
         merged: torch.Tensor | None = None,
         scaled_experts: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> None:
         """Add one batch.
 
@@ -269,6 +271,7 @@ class OverlapAccumulator:
             scaled_experts: `(k, B, T, V)` log-probs of `θ_b + λτ_i` per expert, optional. When
                 every weight is 1 these are the experts themselves and need not be given.
             input_ids: `(B, T)`, optional; used to label example positions.
+            attention_mask: `(B, T)`, optional; padding is left out of the examples' context.
         """
         k, V = self.k, self.vocab_size
         if components.dim() != 4 or components.shape[0] != k + 1 or components.shape[-1] != V:
@@ -363,7 +366,7 @@ class OverlapAccumulator:
                     self.linearization_sum[index] += float(error.double().sum())
                     self.linearization_max[index] = max(float(self.linearization_max[index]), float(error.max()))
 
-        self._update_examples(components, composed, merged, activity_grid, mask, input_ids)
+        self._update_examples(components, composed, merged, activity_grid, mask, input_ids, attention_mask)
         self.positions += n
 
     def _update_intervals(self, activity_grid: torch.Tensor, mask: torch.Tensor) -> None:
@@ -382,7 +385,7 @@ class OverlapAccumulator:
         self.pair_intersecting += (intersections > 0).sum(-1).cpu()
         self.pair_iou_sum += iou.double().sum(-1).cpu()
 
-    def _update_examples(self, components, composed, merged, activity_grid, mask, input_ids) -> None:
+    def _update_examples(self, components, composed, merged, activity_grid, mask, input_ids, attention_mask) -> None:
         settings = self.settings
         rows = mask.any(-1).nonzero().flatten().tolist()
         first_sequence = self.sequences - len(rows)
@@ -412,7 +415,10 @@ class OverlapAccumulator:
             }
             if input_ids is not None:
                 start = max(0, column - 15)
-                entry["context"] = self._tokens(input_ids[row, start : column + 1].tolist())
+                context = input_ids[row, start : column + 1]
+                if attention_mask is not None:
+                    context = context[attention_mask[row, start : column + 1].bool()]
+                entry["context"] = self._tokens(context.tolist())
                 if column + 1 < input_ids.shape[1]:
                     entry["next_token"] = self._tokens([int(input_ids[row, column + 1])])[0]
             named = [("base", components[0]), *zip(self.names, components[1:]), ("composed", composed)]
@@ -422,9 +428,10 @@ class OverlapAccumulator:
             self.reservoir.store(slot, entry)
 
     def _tokens(self, ids: list[int]) -> list:
+        """Token strings where `decode` is known and gives text, else the ids as "#id"."""
         if self.decode is None:
             return ids
-        return [self.decode([token]) for token in ids]
+        return [self.decode([token]) or f"#{token}" for token in ids]
 
     def _top(self, logprobs: torch.Tensor) -> list[list]:
         values, ids = logprobs.float().topk(min(self.settings.top_k, logprobs.shape[-1]))
@@ -444,7 +451,7 @@ class OverlapAccumulator:
             experts[name] = {
                 "kl_mean": float(self.kl_sum[index]) / n,
                 "kl_max": float(self.kl_max[index]),
-                "kl_median": self.kl_histograms[index].quantile(0.5),
+                "kl_median": min(self.kl_histograms[index].quantile(0.5), float(self.kl_max[index])),
                 "active_fraction": float(self.active_count[-1, index]) / n,
                 "active_fraction_by_epsilon": {
                     str(e): float(self.active_count[row, index]) / n for row, e in enumerate(settings.epsilons)
@@ -493,7 +500,7 @@ class OverlapAccumulator:
             gap = {
                 "kl_mean": self.gap_sum / self.merged_positions,
                 "kl_max": self.gap_max,
-                "kl_p95": self.gap_histogram.quantile(0.95),
+                "kl_p95": min(self.gap_histogram.quantile(0.95), self.gap_max),
                 "top1_agreement": self.top1_agree / self.merged_positions,
                 "histogram": self.gap_histogram.to_dict(),
             }

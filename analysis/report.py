@@ -1,0 +1,235 @@
+"""Writing an overlap run: overlap.json, overlap.md, the activity heatmap and the gap histogram."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+
+def _number(value, digits: int = 4) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        if math.isinf(value) or math.isnan(value):
+            return str(value)
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(_number(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def expert_rows(report: dict) -> list[list]:
+    rows = []
+    for name, stats in report["experts"].items():
+        rows.append(
+            [
+                name,
+                stats["kl_mean"],
+                stats["kl_median"],
+                stats["active_fraction"],
+                stats["sequences_active_fraction"],
+                stats["interval_length_mean"],
+                stats["projective_error"],
+                stats.get("linearization_error"),
+            ]
+        )
+    return rows
+
+
+EXPERT_HEADER = ["expert", "KL(p_i‖p_b) mean", "median ≤", "active frac.", "seqs active", "interval len.", "projective err.", "lineariz. err."]
+PAIR_HEADER = ["pair", "mass overlap O", "sign conflict", "support Jaccard", "co-active", "interval overlap", "param. cosine", "TIES sign conflict", "trim-mask Jaccard"]
+
+
+def pair_rows(report: dict) -> list[list]:
+    rows = []
+    for key, stats in report["pairs"].items():
+        parameter = stats.get("parameter") or {}
+        rows.append(
+            [
+                key.replace("|", " + "),
+                stats["mass_overlap"],
+                stats["sign_conflict"],
+                stats["support_jaccard"],
+                stats["coactivation_rate"],
+                stats["interval_overlap_rate"],
+                parameter.get("cosine"),
+                parameter.get("ties_sign_conflict"),
+                parameter.get("trimmed_mask_jaccard"),
+            ]
+        )
+    return rows
+
+
+def headline_rows(results: dict) -> list[list]:
+    """One row per measured context: teacher-forced, then each rollout source."""
+    contexts = [("teacher-forced", results)] + [(f"rollouts: {k}", v) for k, v in results.get("rollouts", {}).items()]
+    rows = []
+    for label, report in contexts:
+        gap = report.get("merge_compose_gap") or {}
+        rows.append(
+            [
+                label,
+                report["num_positions"],
+                report["coactivation_rate"],
+                report["projective_error"]["single_active"],
+                report["projective_error"]["single_active_fraction"],
+                gap.get("kl_mean"),
+                gap.get("top1_agreement"),
+            ]
+        )
+    return rows
+
+
+HEADLINE_HEADER = ["measured on", "positions", "co-activation", "projective err. (|A|≤1)", "|A|≤1 frac.", "gap KL(q‖m)", "top-1 agree"]
+
+
+def markdown(results: dict) -> str:
+    """The overlap.md report."""
+    settings = results["settings"]
+    lines = [
+        "# Overlap of expert logit deltas, projectivity, merge ≈ compose",
+        "",
+        f"Activity threshold ε = {settings['epsilon']} nats, support floor η = {settings['eta']}.",
+        "",
+        "## Headline",
+        "",
+        *_table(HEADLINE_HEADER, headline_rows(results)),
+        "",
+        "Co-activation by ε (teacher-forced): "
+        + ", ".join(f"ε={e}: {_number(v)}" for e, v in results["coactivation_by_epsilon"].items()),
+        "",
+        "## Experts (teacher-forced)",
+        "",
+        *_table(EXPERT_HEADER, expert_rows(results)),
+        "",
+        "## Pairs (teacher-forced)",
+        "",
+        *_table(PAIR_HEADER, pair_rows(results)),
+        "",
+    ]
+    gap = results.get("merge_compose_gap")
+    if gap:
+        lines += [
+            "## Merge vs compose",
+            "",
+            f"KL(q‖m): mean {_number(gap['kl_mean'])}, p95 ≤ {_number(gap['kl_p95'])}, max {_number(gap['kl_max'])}; "
+            f"top-1 agreement {_number(gap['top1_agreement'])}.",
+        ]
+        if "interaction_residual_rms" in gap:
+            lines.append(
+                f"Interaction residual on centred logits: RMS {_number(gap['interaction_residual_rms'])}, "
+                f"relative to the composed logit change {_number(gap['interaction_residual_relative'])}."
+            )
+        lines.append("")
+    lines += ["## Tokens each expert moves most (mean |δ̃|)", ""]
+    for name, stats in results["experts"].items():
+        tokens = ", ".join(f"{t['token']!r} {t['mean_abs_delta']:.3g}" for t in stats["top_tokens"])
+        lines.append(f"- **{name}**: {tokens}")
+    lines += ["", "## Example positions (reservoir sample)", ""]
+    for example in results["reservoir"][:8]:
+        context = "".join(str(t) for t in example.get("context", []))
+        activity = ", ".join(_number(a, 3) for a in example["activity"])
+        tops = "; ".join(f"{name}: {' '.join(repr(str(t)) for t, _ in top[:3])}" for name, top in example["top"].items())
+        lines.append(f"- `{context!r}` → {example.get('next_token', '')!r}; activity [{activity}]; top-3 {tops}")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def terminal_table(results: dict) -> str:
+    """The headline, expert and pair tables as plain text."""
+    blocks = []
+    for header, rows in [
+        (HEADLINE_HEADER, headline_rows(results)),
+        (EXPERT_HEADER, expert_rows(results)),
+        (PAIR_HEADER, pair_rows(results)),
+    ]:
+        cells = [header] + [[_number(c) for c in row] for row in rows]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+        blocks.append("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in cells))
+    return "\n\n".join(blocks)
+
+
+def plot_activity_heatmap(heatmap: list[dict], expert_names: list[str], path: Path) -> None:
+    """Per-position activity log10 KL(p_i ‖ p_b) of a few sequences, one panel per sequence."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    panels = max(len(heatmap), 1)
+    width = max([len(item["activity"][0]) for item in heatmap] + [8])
+    height = 0.8 + (0.35 * len(expert_names) + 0.7) * panels
+    figure, axes = plt.subplots(
+        panels, 1, figsize=(min(2.5 + 0.25 * width, 30), height), squeeze=False, layout="constrained"
+    )
+    figure.suptitle("activity log10 KL(p_i ‖ p_b) per position; x label: the token the position predicts", fontsize=9)
+    image = None
+    for axis, item in zip(axes[:, 0], heatmap):
+        values = np.log10(np.asarray(item["activity"], dtype=float) + 1e-6)  # (k, n)
+        image = axis.imshow(values, aspect="auto", cmap="magma", vmin=-4, vmax=1, interpolation="nearest")
+        axis.set_yticks(range(len(expert_names)), expert_names, fontsize=7)
+        tokens = item.get("next_tokens")
+        if tokens and len(tokens) <= 80:
+            axis.set_xticks(range(len(tokens)), [repr(str(t))[1:-1].replace(" ", "␣") for t in tokens], fontsize=6)
+        axis.set_title(f"sequence {item['sequence']}", fontsize=8, loc="left")
+    if not heatmap:
+        axes[0, 0].text(0.5, 0.5, "no sequences", ha="center")
+    if image is not None:
+        figure.colorbar(image, ax=axes[:, 0].tolist(), label="log10 KL(p_i ‖ p_b)")
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_gap_histogram(histogram: dict, path: Path, title: str = "merge-vs-compose gap KL(q ‖ m) per position") -> None:
+    """Counts of KL(q ‖ m) in log-spaced bins; the first bar is [0, lowest edge)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    inner = np.asarray(histogram["edges"], dtype=float)
+    counts = np.asarray(histogram["counts"], dtype=float)
+    # Draw the open-ended first and last bins one decade wide.
+    edges = np.concatenate([[inner[0] / 10], inner, [inner[-1] * 10]])
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.stairs(counts, edges, fill=True)
+    axis.set_xscale("log")
+    axis.set_xlabel("KL (nats); first bin: [0, %.0e), last: [%.0e, ∞]" % (inner[0], inner[-1]))
+    axis.set_ylabel("positions")
+    axis.set_title(title, fontsize=9)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+
+
+def json_safe(value):
+    """Replace non-finite floats (not valid JSON) by strings "inf" / "-inf" / "nan"; tuples by lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
+
+
+def write_outputs(folder: Path, results: dict, config: dict) -> list[str]:
+    """Write every output of an overlap run into `folder`; return the file names."""
+    folder = Path(folder)
+    (folder / "overlap.json").write_text(json.dumps(json_safe(results), indent=1, allow_nan=False))
+    (folder / "overlap.md").write_text(markdown(results))
+    (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    names = ["overlap.json", "overlap.md", "config.yaml", "activity_heatmap.png"]
+    plot_activity_heatmap(results["heatmap"], list(results["experts"]), folder / "activity_heatmap.png")
+    if results.get("merge_compose_gap"):
+        plot_gap_histogram(results["merge_compose_gap"]["histogram"], folder / "gap_histogram.png")
+        names.append("gap_histogram.png")
+    return names

@@ -1,0 +1,196 @@
+"""`run_overlap`: load a base, its experts (checkpoints or adapters) and a merge, measure, write the report.
+
+The typed config `OverlapRunConfig` is what `mergecompose overlap` builds from a YAML file
+and/or flags; the resolved config is written next to the results as config.yaml.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from analysis.data import encode_records, make_batches, prompt_batches, read_jsonl
+from analysis.measure import measure_overlap, rollout_batches
+from analysis.report import write_outputs
+from analysis.streaming import OverlapSettings
+
+
+class OverlapRunConfig(BaseModel):
+    """One `mergecompose overlap` run.
+
+    * `base`, `experts`: local folders or hub ids; each expert is a full checkpoint or a peft
+      adapter (told apart by `adapter_config.json`).
+    * `merged`: the task-arithmetic merge `θ_b + λΣτ_i` (checkpoint or adapter), optional.
+    * `lam`: λ, the composition's exponent for every expert and the merge's scale. With λ ≠ 1
+      each `θ_b + λτ_i` is built in memory (`merging.merge("task_arithmetic", ...)`) for the
+      single-expert linearization error.
+    * `data`: jsonl with `{"text"}` or `{"prompt", "completion"}` records; `tokenizer` defaults to
+      the base's.
+    * `rollouts`: also measure on greedy rollouts of "composed", "base", "experts" (each
+      expert) or a named expert, from each record's prompt (or the first `prompt_tokens` tokens
+      of a text record).
+    * `parameter_density`: the TIES trim's kept share for the parameter-space measures;
+      `parameter_measures: false` skips them.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    base: str
+    experts: list[str] = Field(min_length=1)
+    merged: str | None = None
+    data: str
+    out: str
+    overwrite: bool = False
+    tokenizer: str | None = None
+    lam: float = Field(1.0, gt=0)
+    batch_size: int = Field(8, ge=1)
+    max_length: int = Field(256, ge=2)
+    max_records: int | None = Field(None, ge=1)
+    rollouts: list[str] = Field(default_factory=list)
+    max_new_tokens: int = Field(32, ge=1)
+    prompt_tokens: int = Field(8, ge=1)
+    parameter_measures: bool = True
+    parameter_density: float = Field(0.2, gt=0, le=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    settings: OverlapSettings = Field(default_factory=OverlapSettings)
+
+    @field_validator("data")
+    @classmethod
+    def _data_exists(cls, value: str) -> str:
+        if not Path(value).is_file():
+            raise ValueError(f"`data` must be an existing .jsonl file, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _known_rollouts(self) -> "OverlapRunConfig":
+        for source in self.rollouts:
+            if source not in ("composed", "base", "experts") and not source.startswith("expert:"):
+                raise ValueError(
+                    f"`rollouts` entries must be 'composed', 'base', 'experts' or 'expert:<name>', got {source!r}"
+                )
+        return self
+
+
+def _device(choice: str) -> str:
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("`device` is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    return choice
+
+
+def _load_causal_lm(source: str, base: str, device: str):
+    """A full model from a checkpoint, or base + adapter merged (`merge_and_unload`)."""
+    from transformers import AutoModelForCausalLM
+
+    from composition.model import is_adapter_source
+
+    if is_adapter_source(source):
+        from peft import PeftModel
+
+        model = AutoModelForCausalLM.from_pretrained(base)
+        return PeftModel.from_pretrained(model, source).merge_and_unload().eval().to(device)
+    return AutoModelForCausalLM.from_pretrained(source).eval().to(device)
+
+
+def _task_vector(base_model, base: str, expert: str, device: str):
+    """τ = θ_expert − θ_base: dense ΔW for an adapter, lazy per-tensor reads for local checkpoints."""
+    from merging import TaskVector
+
+    from composition.model import is_adapter_source
+
+    if is_adapter_source(expert):
+        return TaskVector.from_lora(base_model, expert)
+    if Path(base).is_dir() and Path(expert).is_dir():
+        return TaskVector.from_checkpoints(base, expert)
+    return TaskVector.from_models(base_model, _load_causal_lm(expert, base, device))
+
+
+def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
+    """Measure and write overlap.json, overlap.md, config.yaml and the plots into `config.out`.
+
+    The output folder is written atomically (a temporary folder next to it, then renamed); an
+    existing one is refused unless `config.overwrite`. Returns the overlap.json content.
+    """
+    from merging import merge
+    from merging.io import atomic_output_dir, refuse_existing
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from composition import ComposedLM
+
+    refuse_existing(config.out, config.overwrite)
+    device = _device(config.device)
+    k = len(config.experts)
+    composed = ComposedLM.from_pretrained(config.base, experts=config.experts, weights=[config.lam] * k, device_map=device)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer) if config.tokenizer else composed.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"no tokenizer found in `base` {config.base!r}; pass `tokenizer`")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad_id is None:
+        raise ValueError("the tokenizer has neither a pad nor an EOS token; one is needed to pad batches")
+
+    encoded = encode_records(read_jsonl(config.data, config.max_records), tokenizer, config.max_length)
+    batches = make_batches(encoded, config.batch_size, pad_id)
+
+    base_model = None
+    if config.parameter_measures or config.lam != 1.0:
+        base_model = AutoModelForCausalLM.from_pretrained(config.base).eval().to(device)
+    task_vectors = None
+    if config.parameter_measures:
+        task_vectors = {
+            name: _task_vector(base_model, config.base, expert, device)
+            for name, expert in zip(composed.expert_names, config.experts)
+        }
+    scaled = None
+    if config.lam != 1.0:
+        scaled = []
+        for name, expert in zip(composed.expert_names, config.experts):
+            task_vector = task_vectors[name] if task_vectors else _task_vector(base_model, config.base, expert, device)
+            model = AutoModelForCausalLM.from_pretrained(config.base).eval().to(device)
+            model.load_state_dict(merge("task_arithmetic", base_model, [task_vector], lam=config.lam, progress=False))
+            scaled.append(model)
+    merged = None if config.merged is None else _load_causal_lm(config.merged, config.base, device)
+
+    common = dict(settings=config.settings, tokenizer=tokenizer, progress=progress)
+    report = measure_overlap(
+        composed,
+        batches,
+        merged_model=merged,
+        scaled_expert_models=scaled,
+        task_vectors=task_vectors,
+        parameter_density=config.parameter_density,
+        description="teacher-forced",
+        **common,
+    )
+    results = report.to_dict()
+
+    sources = []
+    for source in config.rollouts:
+        if source == "experts":
+            sources += composed.expert_names
+        elif source.startswith("expert:"):
+            sources.append(source.removeprefix("expert:"))
+        else:
+            sources.append(source)
+    prompts = prompt_batches(encoded, config.batch_size, pad_id, config.prompt_tokens) if sources else []
+    results["rollouts"] = {}
+    for source in dict.fromkeys(sources):
+        rolled = rollout_batches(
+            composed, prompts, source=source, max_new_tokens=config.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id,
+        )
+        rollout_report = measure_overlap(
+            composed, rolled, merged_model=merged, scaled_expert_models=scaled, description=f"rollouts: {source}", **common
+        ).to_dict()
+        results["rollouts"][source] = rollout_report
+    results["experts_loaded"] = dict(zip(composed.expert_names, config.experts))
+
+    resolved = config.model_dump()
+    resolved["device"] = device
+    with atomic_output_dir(config.out, config.overwrite) as folder:
+        write_outputs(folder, results, resolved)
+    return results
