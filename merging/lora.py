@@ -28,6 +28,7 @@ from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 
+from composition.adapters import check_adapter_fits, read_adapter
 from merging.io import atomic_output_dir, refuse_existing
 from merging.task_vector import check_same_shape, compute_dtype, state_dict_of
 
@@ -59,8 +60,9 @@ def lora_delta_weights(base_model: torch.nn.Module, adapter) -> dict[str, torch.
         peft_model, name = adapter, adapter.active_adapter
         _check_lora_config(peft_model.peft_config[name], f"adapter `{name}`")
     elif isinstance(adapter, (str, os.PathLike)):
-        config = PeftConfig.from_pretrained(str(adapter))
+        config, adapter_state = read_adapter(str(adapter))
         _check_lora_config(config, f"adapter {str(adapter)!r}")
+        check_adapter_fits(str(adapter), config, adapter_state, base_model)  # names the module and both shapes
         name = "default"
         peft_model = PeftModel.from_pretrained(copy.deepcopy(base_model), str(adapter), adapter_name=name)
     else:
