@@ -18,7 +18,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
+
+
+# Up to this many rows, a CPU linear is computed as W @ xᵀ (see `_linear_forward`).
+_FEW_ROWS = 64
 
 
 class StackedLoRAUnsupported(ValueError):
@@ -52,8 +57,12 @@ class StackedLoRA:
             stacked[path] = self._stack(module, [self.adapter_names[i] for i in present], present)
         self.factors = {path: (a_t, b_t) for path, (a_t, b_t, _) in stacked.items()}
         self.model = peft_model.unload()  # the base model with its original layers, unmerged
-        modules = dict(self.model.named_modules())
-        self._handles = [modules[path].register_forward_hook(self._hook(*factors)) for path, factors in stacked.items()]
+        self._handles = []
+        for path, module in self.model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                module.forward = self._linear_forward(module, stacked.get(path))
+            elif path in stacked:  # e.g. GPT-2's Conv1D: keep its forward, add the products after it
+                self._handles.append(module.register_forward_hook(self._hook(*stacked[path])))
 
     @staticmethod
     def _stack(module, names, present):
@@ -71,25 +80,49 @@ class StackedLoRA:
         index = torch.tensor([i + 1 for i in present], device=weight.device)
         return a_t, b_t, index
 
-    def _hook(self, a_t, b_t, index):
+    def _add_products(self, x, output, a_t, b_t, index):
+        """output[expert rows] += s_i B_i A_i x[expert rows], in place; x (N, ..., in), output (N, ..., out)."""
         n = self.n_components
-        contiguous = index.tolist() == list(range(1, n))
+        xs = x.reshape(n, -1, x.shape[-1])  # (k+1, B·T, in)
+        contiguous = index.shape[0] == n - 1  # every expert adapts this module: rows 1..k
+        xe = xs[1:] if contiguous else xs.index_select(0, index)  # (p, B·T, in)
+        delta = torch.bmm(torch.bmm(xe.to(a_t.dtype), a_t), b_t)  # (p, B·T, out)
+        out = output.view(n, -1, output.shape[-1])  # (k+1, B·T, out)
+        if contiguous:
+            out[1:] += delta.to(out.dtype)
+        else:
+            out.index_add_(0, index, delta.to(out.dtype))
+        return output
 
+    def _hook(self, a_t, b_t, index):
         def add_lora(module, args, output):
-            if not self._on:
-                return output
-            x = args[0]
-            xs = x.reshape(n, -1, x.shape[-1])  # (k+1, B·T, in)
-            xe = xs[1:] if contiguous else xs.index_select(0, index)  # (p, B·T, in)
-            delta = torch.bmm(torch.bmm(xe.to(a_t.dtype), a_t), b_t)  # (p, B·T, out)
-            out = output.view(n, -1, output.shape[-1])  # (k+1, B·T, out)
-            if contiguous:
-                out[1:] += delta.to(out.dtype)
-            else:
-                out.index_add_(0, index, delta.to(out.dtype))
-            return output
+            return self._add_products(args[0], output, a_t, b_t, index) if self._on else output
 
         return add_lora
+
+    def _linear_forward(self, module, factors):
+        """Replacement forward for an nn.Linear of the shared base.
+
+        Outside `active()` it is the plain `F.linear`. Inside, a decoding step has few rows
+        ((k+1)·B); on CPU, `W @ xᵀ` reaches the BLAS's matrix-vector-like kernel, which for a few
+        rows is several times faster than `F.linear`'s `x @ Wᵀ` (see benchmarks/README.md).
+        """
+
+        def forward(x):
+            if not self._on:
+                return F.linear(x, module.weight, module.bias)
+            rows = x.reshape(-1, x.shape[-1])  # (N, in)
+            if rows.shape[0] <= _FEW_ROWS and rows.device.type == "cpu":
+                output = torch.mm(module.weight, rows.T).T.contiguous()  # (N, out)
+                if module.bias is not None:
+                    output = output + module.bias
+            else:
+                output = F.linear(rows, module.weight, module.bias)  # (N, out)
+            if factors is not None:
+                output = self._add_products(rows, output, *factors)
+            return output.view(*x.shape[:-1], output.shape[-1])
+
+        return forward
 
     @contextlib.contextmanager
     def active(self):
