@@ -160,6 +160,11 @@ def merge_checkpoints(
 
     mergekit_dict, ours = load_merge_config(config)
     merge_configuration = MergeConfiguration.model_validate(mergekit_dict)
+    for reference in merge_configuration.referenced_models():
+        path = str(reference.model.path)
+        # mergekit takes a missing local folder for a hub id; say what is wrong instead.
+        if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+            raise ValueError(f"model folder {path!r} in `config` does not exist")
     refuse_existing(out_dir, overwrite)
     defaults = {"copy_tokenizer": _has_tokenizer(mergekit_dict), "quiet": False}
     if ours is not None and ours.seed is not None:

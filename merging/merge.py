@@ -120,7 +120,7 @@ def merge(
     if out_dir is not None:
         with atomic_output_dir(out_dir, overwrite) as folder:
             if hasattr(base, "save_pretrained"):
-                base.save_pretrained(folder, state_dict=result)
+                base.save_pretrained(folder, state_dict=dict(result))  # transformers may pop keys
             else:
                 save_file({name: tensor.contiguous() for name, tensor in result.items()}, str(folder / "model.safetensors"))
             record = {
