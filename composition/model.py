@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from composition.adapters import load_adapters_on_base
-from composition.rule import compose_logprobs
+from composition.remedies import compose_with_remedies
 from composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,9 @@ class ComposedLM:
     """Probability-space composition of a base causal LM and k experts sharing one vocabulary.
 
     At every position, `log p̂ = log p_b + Σ_i w_i (log p_i − log p_b)`, renormalised
-    (Kumar, Bucarelli & Natale, 2026; see `compose_logprobs`).
+    (Kumar, Bucarelli & Natale, 2026; see `compose_logprobs`). Optional `remedies`
+    (`ActivityGate`, `PlausibilityFilter`, `TerminationRule` from `composition.remedies`) change
+    the rule at every step; see `compose_with_remedies`.
 
     Args:
         base_model: a transformers causal LM.
@@ -157,6 +159,7 @@ class ComposedLM:
         expert_models: Sequence[PreTrainedModel],
         weights: Sequence[float] | None = None,
         tokenizers=None,
+        remedies: Sequence[object] = (),
     ):
         if len(expert_models) == 0:
             raise ValueError("`expert_models` must hold at least one model, got an empty sequence")
@@ -174,9 +177,10 @@ class ComposedLM:
             weights=weights,
             tokenizers=tokenizers,
             generation_config=getattr(base_model, "generation_config", None),
+            remedies=remedies,
         )
 
-    def _init_common(self, backend, names, weights, tokenizers, generation_config):
+    def _init_common(self, backend, names, weights, tokenizers, generation_config, remedies=()):
         self.backend = backend
         self.expert_names = list(names)
         self.num_experts = len(names)
@@ -189,6 +193,7 @@ class ComposedLM:
         self.weights = weights
         self.tokenizer = _check_tokenizers(tokenizers, self.num_experts + 1)
         self.generation_config = generation_config
+        self.remedies = tuple(remedies)
 
     @classmethod
     def from_adapters(
@@ -198,6 +203,7 @@ class ComposedLM:
         weights: Sequence[float] | None = None,
         tokenizer=None,
         lora_implementation: str = "stacked",
+        remedies: Sequence[object] = (),
     ) -> "ComposedLM":
         """Load several peft LoRA adapters onto one copy of `base_model`.
 
@@ -221,6 +227,7 @@ class ComposedLM:
             weights=weights,
             tokenizers=tokenizer,
             generation_config=getattr(base_model, "generation_config", None),
+            remedies=remedies,
         )
         return self
 
@@ -230,6 +237,7 @@ class ComposedLM:
         base: str | os.PathLike,
         experts: Sequence[str | os.PathLike],
         weights: Sequence[float] | None = None,
+        remedies: Sequence[object] = (),
         **model_kwargs,
     ) -> "ComposedLM":
         """Load a base and experts from local folders or hub ids.
@@ -248,7 +256,7 @@ class ComposedLM:
         if len(set(names)) != len(names):
             names = [f"{name}_{index}" for index, name in enumerate(names)]
         if all(is_adapter):
-            return cls.from_adapters(base_model, dict(zip(names, experts)), weights, tokenizer)
+            return cls.from_adapters(base_model, dict(zip(names, experts)), weights, tokenizer, remedies=remedies)
         expert_models, tokenizers = [], [tokenizer]
         for expert, adapter in zip(experts, is_adapter):
             if adapter:
@@ -261,7 +269,13 @@ class ComposedLM:
                 expert_models.append(AutoModelForCausalLM.from_pretrained(expert, **model_kwargs).eval())
                 tokenizers.append(_try_load_tokenizer(expert))
         known = [t for t in tokenizers if t is not None]
-        self = cls(base_model, expert_models, weights, tokenizers=tokenizers if len(known) == len(tokenizers) else None)
+        self = cls(
+            base_model,
+            expert_models,
+            weights,
+            tokenizers=tokenizers if len(known) == len(tokenizers) else None,
+            remedies=remedies,
+        )
         self.expert_names = names
         if self.tokenizer is None and known:
             self.tokenizer = known[0]
@@ -288,7 +302,7 @@ class ComposedLM:
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher-forced composed log-probs `(B, T, V)`."""
         components = self.component_logprobs(input_ids, attention_mask)  # (k+1, B, T, V)
-        return compose_logprobs(components[0], list(components[1:]), self.weights)
+        return compose_with_remedies(components, self.weights, self.remedies)
 
     # ------------------------------------------------------------------ generation
 
@@ -344,7 +358,7 @@ class ComposedLM:
         length = prompt_length
         for _ in range(max_new_tokens):
             step_logits = logits[:, :, -1]  # (k+1, B, V)
-            scores = compose_logprobs(step_logits[0], list(step_logits[1:]), self.weights, validate=do_sample)  # (B, V)
+            scores = compose_with_remedies(step_logits, self.weights, self.remedies, validate=do_sample)  # (B, V)
             if do_sample:
                 scores = warpers(sequences[:, :length], scores)
                 probabilities = torch.softmax(scores, dim=-1)

@@ -1,0 +1,160 @@
+"""Optional pieces that make composition of many experts stable, each small and composable.
+
+The paper reports that composing more than two experts degraded generation, most likely
+through unstable end-of-sequence prediction. Three remedies, applied in this order by
+`compose_with_remedies`:
+
+1. `ActivityGate(threshold)`: expert i's weight at a position is 0 unless it is active there,
+   `KL(p_i ‖ p_b) > threshold`. Inactive experts then add none of their small deltas
+   ("background noise" that grows with k).
+2. `PlausibilityFilter(alpha=…, top_p=…)`: before composing, keep only tokens that at least one
+   component finds plausible: `p_c(v) ≥ alpha · max_v p_c` (contrastive decoding, Li et al. 2023;
+   DExperts, Liu et al. 2021) and/or inside that component's top-p nucleus. Other tokens are -inf.
+3. `TerminationRule(eos_token_id, source="base"|"active")`: the EOS token gets the base's
+   log-prob (or the mean of the active experts' EOS log-probs, the base's where none is active)
+   instead of the composed one; the other tokens keep their relative composed probabilities and
+   share the rest of the mass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from composition.rule import compose_logprobs
+
+
+def kl_to_base(components: torch.Tensor) -> torch.Tensor:
+    """KL(p_i ‖ p_b) per expert and position.
+
+    Args:
+        components: `(k+1, ..., V)` log-probs, base first.
+    Returns:
+        `(k, ...)` float32, `Σ_v p_i(v) (log p_i(v) − log p_b(v))`; terms with p_i(v) = 0 count 0.
+    """
+    base, experts = components[0], components[1:]
+    p = experts.exp()
+    terms = torch.where(p > 0, p * (experts - base), torch.zeros_like(p))
+    return terms.sum(-1)
+
+
+@dataclass(frozen=True)
+class ActivityGate:
+    """Weight 0 for expert i where KL(p_i ‖ p_b) ≤ threshold."""
+
+    threshold: float = 0.1
+
+    def __post_init__(self):
+        if not self.threshold >= 0:
+            raise ValueError(f"`threshold` must be >= 0, got {self.threshold}")
+
+    def active(self, components: torch.Tensor) -> torch.Tensor:
+        """`(k, ...)` bool: which experts are active at each position."""
+        return kl_to_base(components) > self.threshold
+
+
+@dataclass(frozen=True)
+class PlausibilityFilter:
+    """Keep tokens that some component finds plausible (≥ alpha · its max prob, or in its top-p)."""
+
+    alpha: float | None = 0.1
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if self.alpha is None and self.top_p is None:
+            raise ValueError("`PlausibilityFilter` needs `alpha` or `top_p`, got neither")
+        if self.alpha is not None and not 0 < self.alpha <= 1:
+            raise ValueError(f"`alpha` must be in (0, 1], got {self.alpha}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p}")
+
+    def allowed(self, components: torch.Tensor) -> torch.Tensor:
+        """`(..., V)` bool: the union over components of their plausible sets."""
+        keep = torch.zeros(components.shape[1:], dtype=torch.bool, device=components.device)
+        if self.alpha is not None:
+            threshold = components.max(dim=-1, keepdim=True).values + torch.log(torch.tensor(self.alpha))
+            keep |= (components >= threshold).any(0)
+        if self.top_p is not None:
+            sorted_logprobs, order = components.sort(dim=-1, descending=True)
+            mass_before = sorted_logprobs.exp().cumsum(-1) - sorted_logprobs.exp()  # mass of better tokens
+            in_nucleus = torch.zeros_like(components, dtype=torch.bool).scatter(-1, order, mass_before < self.top_p)
+            keep |= in_nucleus.any(0)
+        return keep
+
+
+@dataclass(frozen=True)
+class TerminationRule:
+    """EOS takes the base's (or the active experts') log-prob instead of the composed one."""
+
+    eos_token_id: int | Sequence[int]
+    source: str = "base"
+    threshold: float = 0.1  # activity threshold for source="active"
+
+    def __post_init__(self):
+        if self.source not in ("base", "active"):
+            raise ValueError(f"`source` must be 'base' or 'active', got {self.source!r}")
+
+    def eos_logprob(self, components: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+        """`(...,)` log-prob that EOS gets."""
+        eos_logprobs = components.index_select(-1, eos).logsumexp(-1)  # (k+1, ...)
+        if self.source == "base":
+            return eos_logprobs[0]
+        active = kl_to_base(components) > self.threshold  # (k, ...)
+        count = active.sum(0)
+        mean_active = torch.where(active, eos_logprobs[1:], 0.0).sum(0) / count.clamp(min=1)
+        return torch.where(count > 0, mean_active, eos_logprobs[0])
+
+
+def compose_with_remedies(
+    components: torch.Tensor,
+    weights: Sequence[float] | None = None,
+    remedies: Sequence[object] = (),
+    validate: bool = True,
+) -> torch.Tensor:
+    """Compose `(k+1, ..., V)` component log-probs (base first) with the given remedies.
+
+    Without remedies this is exactly `compose_logprobs(components[0], components[1:], weights)`.
+    Returns `(..., V)` float32 log-probs.
+    """
+    gates = [r for r in remedies if isinstance(r, ActivityGate)]
+    filters = [r for r in remedies if isinstance(r, PlausibilityFilter)]
+    terminations = [r for r in remedies if isinstance(r, TerminationRule)]
+    unknown = [r for r in remedies if not isinstance(r, (ActivityGate, PlausibilityFilter, TerminationRule))]
+    if unknown:
+        raise ValueError(
+            f"unknown remedy {unknown[0]!r}; allowed: ActivityGate, PlausibilityFilter, TerminationRule"
+        )
+    if len(terminations) > 1:
+        raise ValueError(f"at most one TerminationRule can be given, got {len(terminations)}")
+    components = torch.log_softmax(components.float(), dim=-1)  # (k+1, ..., V)
+    k = components.shape[0] - 1
+
+    exponents = None
+    if weights is not None or gates:
+        exponents = torch.ones(k, *components.shape[1:-1], device=components.device)  # (k, ...)
+        if weights is not None:
+            exponents = exponents * torch.as_tensor(weights, dtype=torch.float32, device=components.device).reshape(
+                k, *([1] * (components.dim() - 2))
+            )
+        for gate in gates:
+            exponents = exponents * gate.active(components)
+
+    composed = compose_logprobs(components[0], list(components[1:]), exponents, validate=validate)  # (..., V)
+
+    for plausibility in filters:
+        composed = torch.log_softmax(composed.masked_fill(~plausibility.allowed(components), float("-inf")), dim=-1)
+
+    for termination in terminations:
+        eos = torch.as_tensor(termination.eos_token_id, device=components.device).reshape(-1)
+        target = termination.eos_logprob(components, eos)  # (...,)
+        is_eos = torch.zeros(components.shape[-1], dtype=torch.bool, device=components.device)
+        is_eos[eos] = True
+        # Non-EOS tokens keep their relative composed probabilities and share 1 − p_eos.
+        rest = torch.log_softmax(composed.masked_fill(is_eos, float("-inf")), dim=-1)  # (..., V)
+        rest = rest + torch.log1p(-target.exp().clamp(max=1 - 1e-7)).unsqueeze(-1)
+        eos_share = composed.index_select(-1, eos) - composed.index_select(-1, eos).logsumexp(-1, keepdim=True)
+        composed = rest.clone()
+        composed[..., eos] = eos_share + target.unsqueeze(-1)  # EOS ids split `target` as the composition did
+    return composed
