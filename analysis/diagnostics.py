@@ -67,9 +67,13 @@ def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """
     if p.shape != q.shape:
         raise ValueError(f"`p` and `q` must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
-    log_p, log_q = _logprobs(p), _logprobs(q)
-    probs = log_p.exp()
-    terms = torch.where(probs > 0, probs * (log_p - log_q), torch.zeros_like(probs))  # (..., V)
+    log_p = _logprobs(p)
+    return _kl(log_p, log_p.exp(), _logprobs(q))
+
+
+def _kl(log_p: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) from normalised log-probs `log_p`, `log_q` and `p = exp(log_p)`, all `(..., V)`."""
+    terms = torch.where(p > 0, p * (log_p - log_q), 0.0)  # (..., V)
     return terms.sum(-1).clamp(min=0)
 
 
@@ -85,15 +89,24 @@ def conditional_kl(p: torch.Tensor, q: torch.Tensor, subset: torch.Tensor) -> to
     Returns:
         `(...)` float32; 0 where M is empty or p gives M no mass.
     """
-    subset = subset.bool().expand(p.shape)
-    neg_inf = torch.tensor(float("-inf"))
-    log_p = torch.where(subset, _logprobs(p), neg_inf)
-    log_q = torch.where(subset, _logprobs(q), neg_inf)
-    empty = ~subset.any(-1) | torch.isneginf(log_p).all(-1)
-    # Give empty rows a dummy uniform distribution so that log-softmax stays finite there.
-    log_p = torch.where(empty[..., None], torch.zeros_like(log_p), log_p)
-    log_q = torch.where(empty[..., None], torch.zeros_like(log_q), log_q)
-    return torch.where(empty, torch.zeros(()), kl_divergence(log_p, log_q))
+    if p.shape != q.shape:
+        raise ValueError(f"`p` and `q` must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+    log_p, log_q = _logprobs(p), _logprobs(q)
+    return _conditional_kl(log_p, log_p.exp(), log_q, log_q.exp(), subset.bool().expand(p.shape))
+
+
+def _conditional_kl(log_p, p, log_q, q, subset) -> torch.Tensor:
+    """KL(p(·|M) ‖ q(·|M)) = (1/P(M)) Σ_{v∈M} p(v)(log p(v) − log q(v)) − log P(M) + log Q(M).
+
+    From normalised log-probs and probabilities `(..., V)`, so no re-normalisation is needed.
+    """
+    zero = 0.0
+    terms = torch.where(subset & (p > 0), p * (log_p - log_q), zero).sum(-1)  # (...)
+    mass_p = torch.where(subset, p, zero).sum(-1)
+    mass_q = torch.where(subset, q, zero).sum(-1)
+    empty = mass_p <= 0
+    value = terms / mass_p.clamp(min=1e-38) - mass_p.clamp(min=1e-38).log() + mass_q.clamp(min=1e-38).log()
+    return torch.where(empty, torch.zeros_like(value), value.clamp(min=0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +123,7 @@ def expert_activity(base: torch.Tensor, experts: Experts) -> torch.Tensor:
         `(k, ...)` float32, in nats.
     """
     stacked = _stack(experts, base)
-    return kl_divergence(stacked, _logprobs(base).expand_as(stacked))
+    return _kl(stacked, stacked.exp(), _logprobs(base))
 
 
 def active_experts(activity: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -195,8 +208,12 @@ def centred_deltas(base: torch.Tensor, experts: Experts, floor: float = LOGPROB_
     Returns:
         `(k, ..., V)` float32.
     """
-    stacked = _stack(experts, base).clamp(min=floor)
-    deltas = stacked - _logprobs(base).clamp(min=floor)  # (k, ..., V)
+    return _centred(_logprobs(base), _stack(experts, base), floor)
+
+
+def _centred(base: torch.Tensor, experts: torch.Tensor, floor: float = LOGPROB_FLOOR) -> torch.Tensor:
+    """`centred_deltas` on normalised log-probs: base `(..., V)`, experts `(k, ..., V)`."""
+    deltas = experts.clamp(min=floor) - base.clamp(min=floor)  # (k, ..., V)
     return deltas - deltas.median(dim=-1, keepdim=True).values
 
 
@@ -218,8 +235,12 @@ def delta_supports(
         raise ValueError(f"`epsilon` must be >= 0, got {epsilon}")
     if not 0 <= eta < 1:
         raise ValueError(f"`eta` must be in [0, 1), got {eta}")
-    probability = torch.maximum(_stack(experts, base).exp(), _logprobs(base).exp())  # (k, ..., V)
-    return (centred.abs() > epsilon) & (probability > eta)
+    return _supports(centred, _logprobs(base).exp(), _stack(experts, base).exp(), epsilon, eta)
+
+
+def _supports(centred, base_probs, expert_probs, epsilon: float, eta: float) -> torch.Tensor:
+    """`delta_supports` from probabilities: base `(..., V)`, experts `(k, ..., V)`."""
+    return (centred.abs() > epsilon) & (torch.maximum(expert_probs, base_probs) > eta)
 
 
 def overlap_weights(base: torch.Tensor, expert_i: torch.Tensor, expert_j: torch.Tensor, composed: torch.Tensor) -> torch.Tensor:
@@ -229,7 +250,11 @@ def overlap_weights(base: torch.Tensor, expert_i: torch.Tensor, expert_j: torch.
     gives it, so tokens that no model would emit do not dominate the overlap.
     """
     probabilities = [_logprobs(t).exp() for t in (base, expert_i, expert_j, composed)]
-    return torch.stack(probabilities).amax(0)
+    return _weights(*probabilities)
+
+
+def _weights(base_probs, probs_i, probs_j, composed_probs) -> torch.Tensor:
+    return torch.maximum(torch.maximum(base_probs, probs_i), torch.maximum(probs_j, composed_probs))
 
 
 class OverlapSums(NamedTuple):
@@ -253,7 +278,7 @@ def overlap_sums(centred_i: torch.Tensor, centred_j: torch.Tensor, weight: torch
         centred_i, centred_j: `(..., V)` centred deltas δ̃_i, δ̃_j; weight: `(..., V)`.
     """
     product = weight * centred_i.abs() * centred_j.abs()  # (..., V)
-    conflict = torch.where(centred_i * centred_j < 0, product, torch.zeros_like(product))
+    conflict = torch.where(centred_i * centred_j < 0, product, 0.0)
     return OverlapSums(
         product=product.sum(-1),
         conflict=conflict.sum(-1),
@@ -311,13 +336,17 @@ def single_active_error(
         `(kl, eligible)`: `(...)` float32 KL (0 where not eligible) and `(...)` bool,
         `|A_t| ≤ 1`.
     """
-    stacked = _stack(experts, base)
+    return _single_active(_logprobs(base), _stack(experts, base), _logprobs(composed), active)
+
+
+def _single_active(base, experts, composed, active) -> tuple[torch.Tensor, torch.Tensor]:
+    """`single_active_error` on normalised log-probs."""
     eligible = active.sum(0) <= 1  # (...)
     # Index 0 is the base, 1 + i expert i.
     choice = torch.where(active.any(0), active.float().argmax(0) + 1, 0)  # (...)
-    components = torch.cat([_logprobs(base)[None], stacked])  # (k+1, ..., V)
+    components = torch.cat([base[None], experts])  # (k+1, ..., V)
     reference = components.gather(0, choice[None, ..., None].expand(1, *base.shape)).squeeze(0)  # (..., V)
-    kl = kl_divergence(reference, composed)
+    kl = _kl(reference, reference.exp(), composed)
     return torch.where(eligible, kl, torch.zeros_like(kl)), eligible
 
 
@@ -337,10 +366,15 @@ def restricted_projective_error(
     Returns:
         `(k, ...)` float32.
     """
-    stacked = _stack(experts, base)
+    stacked, log_q = _stack(experts, base), _logprobs(composed)
+    return _restricted(stacked, stacked.exp(), log_q, log_q.exp(), supports)
+
+
+def _restricted(experts, expert_probs, composed, composed_probs, supports) -> torch.Tensor:
+    """`restricted_projective_error` on normalised log-probs and probabilities."""
     background = ~supports.any(0)  # (..., V)
     subsets = supports | background[None]  # (k, ..., V)
-    return conditional_kl(stacked, _logprobs(composed).expand_as(stacked), subsets)
+    return _conditional_kl(experts, expert_probs, composed.expand_as(experts), composed_probs.expand_as(experts), subsets)
 
 
 # ---------------------------------------------------------------------------------------------

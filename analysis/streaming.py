@@ -291,16 +291,19 @@ class OverlapAccumulator:
         if scaled_experts is None and merged is not None and all(w == 1.0 for w in self.weights):
             scaled_experts = components[1:]  # θ_b + 1·τ_i = θ_i
 
-        base = components[0][mask].float()  # (N, V)
-        experts = components[1:][:, mask].float()  # (k, N, V)
-        q = composed[mask].float()  # (N, V)
-        n = base.shape[0]
+        n = int(mask.sum())
         if n == 0:
             return
         settings = self.settings
+        # Normalise and exponentiate once; the kernels below take log-probs and probabilities.
+        selected = torch.log_softmax(components[:, mask].float(), dim=-1)  # (k+1, N, V)
+        base, experts = selected[0], selected[1:]  # (N, V), (k, N, V)
+        q = torch.log_softmax(composed[mask].float(), dim=-1)  # (N, V)
+        probs = selected.exp()
+        base_p, experts_p, q_p = probs[0], probs[1:], q.exp()
 
         # 1. Activity in time.
-        activity = dx.expert_activity(base, experts)  # (k, N)
+        activity = dx._kl(experts, experts_p, base)  # (k, N): KL(p_i ‖ p_b)
         self.kl_sum += activity.double().sum(1).cpu()
         self.kl_max = torch.maximum(self.kl_max, activity.double().amax(1).cpu())
         for index in range(k):
@@ -317,12 +320,12 @@ class OverlapAccumulator:
         self._update_intervals(activity_grid, mask)
 
         # 2. Overlap over the vocabulary.
-        centred = dx.centred_deltas(base, experts)  # (k, N, V)
-        supports = dx.delta_supports(centred, base, experts, settings.epsilon, settings.eta)  # (k, N, V)
+        centred = dx._centred(base, experts)  # (k, N, V)
+        supports = dx._supports(centred, base_p, experts_p, settings.epsilon, settings.eta)  # (k, N, V)
         self.abs_delta_sum += centred.abs().double().sum(1).cpu()
         self.support_count += supports.sum(1).cpu()
         for i, j in self.pairs:
-            weight = dx.overlap_weights(base, experts[i], experts[j], q)  # (N, V)
+            weight = dx._weights(base_p, experts_p[i], experts_p[j], q_p)  # (N, V)
             sums = dx.overlap_sums(centred[i], centred[j], weight)  # each (N,)
             self.overlap_totals[i, j] += torch.stack([s.double().sum() for s in sums]).cpu()
             both = active[i] & active[j]  # (N,)
@@ -332,19 +335,19 @@ class OverlapAccumulator:
             self.support_union[i, j] += int((supports[i] | supports[j]).sum())
 
         # 3. Projective error.
-        single, eligible = dx.single_active_error(base, experts, q, active)  # (N,), (N,)
+        single, eligible = dx._single_active(base, experts, q, active)  # (N,), (N,)
         self.single_active_sum += float(single[eligible].double().sum())
         self.single_active_count += int(eligible.sum())
         self.single_active_histogram.add(single[eligible])
-        restricted = dx.restricted_projective_error(base, experts, q, supports)  # (k, N)
+        restricted = dx._restricted(experts, experts_p, q, q_p, supports)  # (k, N)
         self.restricted_sum += restricted.double().sum(1).cpu()
         self.restricted_max = torch.maximum(self.restricted_max, restricted.double().amax(1).cpu())
 
         # 4. Linear equivalence.
         m = None
         if merged is not None:
-            m = merged[mask].float()  # (N, V)
-            gap = dx.merge_compose_gap(q, m)  # (N,)
+            m = torch.log_softmax(merged[mask].float(), dim=-1)  # (N, V)
+            gap = dx._kl(q, q_p, m)  # (N,): KL(q ‖ m)
             self.merged_positions += n
             self.gap_sum += float(gap.double().sum())
             self.gap_max = max(self.gap_max, float(gap.max()))
