@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from merging.io import atomic_output_dir, refuse_existing
 from merging.registry import get_method
-from merging.task_vector import TaskVector, check_same_shape, is_mergeable, state_dict_of
+from merging.task_vector import TaskVector, check_same_shape, is_mergeable, share_updates_of_tied, state_dict_of
 
 # Pass as `merge(..., **MERGEKIT_MODE)` to follow mergekit's definitions (what `merge_checkpoints`
 # computes on disk), or `**PEFT_MODE` for peft's `merge_utils`. The defaults follow the papers.
@@ -72,7 +72,9 @@ def merge(
     Returns:
         The merged full state dict, same names, shapes and dtypes as `base`'s, loadable with
         `model.load_state_dict`. Integer and bool buffers are copied from `base`. Tensors are
-        computed in float32 (float64 if the inputs are) and cast back.
+        computed in float32 (float64 if the inputs are) and cast back. Names tied in `base`
+        (lm_head and embed_tokens) get the same merged tensor, even if the task vectors hold
+        only one of them (as a tied checkpoint on disk does).
 
     Convention keywords (consensus, sign_election, trim_scope, rescale, seed) are checked for
     every method and ignored where they do not apply, so `**MERGEKIT_MODE` fits every method;
@@ -113,6 +115,7 @@ def merge(
     )
     float_base = {name: tensor for name, tensor in base_state.items() if is_mergeable(tensor)}
     merged = merge_method(float_base, [task_vector.tensors for task_vector in task_vectors], settings, progress)
+    share_updates_of_tied(base_state, merged)
     result = {
         name: merged[name].to(device=tensor.device, dtype=tensor.dtype) if name in merged else tensor.clone()
         for name, tensor in base_state.items()

@@ -58,6 +58,30 @@ def state_dict_of(model_or_state_dict, argument: str) -> dict[str, torch.Tensor]
     )
 
 
+def tied_groups(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Names that share one tensor (tied weights, e.g. lm_head and embed_tokens), groups of ≥ 2."""
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        if tensor.numel() > 0:
+            key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+            groups.setdefault(key, []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def share_updates_of_tied(state: Mapping[str, torch.Tensor], updated: dict[str, torch.Tensor]) -> None:
+    """Give every name tied to an updated name the same update, in place in `updated`.
+
+    A checkpoint of a tied model stores the shared tensor once (e.g. only embed_tokens), so a
+    task vector read from it updates one name; loading a state dict whose other name still holds
+    the old value would overwrite the update.
+    """
+    for names in tied_groups(state):
+        changed = [name for name in names if name in updated]
+        for name in names:
+            if changed and name not in updated:
+                updated[name] = updated[changed[0]]
+
+
 class TaskVector:
     """A task vector τ = θ_ft − θ_base: one tensor per parameter name.
 
@@ -210,7 +234,8 @@ class TaskVector:
 
         `base` is a state dict (a new state dict is returned) or a torch module (a deep copy with
         the new weights is returned). The input is never modified. Tensors of the base that the
-        task vector does not cover are copied unchanged.
+        task vector does not cover are copied unchanged, except names tied to a covered one
+        (lm_head tied to embed_tokens), which get the same update.
         """
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
             raise ValueError(f"`scale` must be a finite real number, got {scale!r}")
@@ -220,13 +245,13 @@ class TaskVector:
                 raise ValueError(f"the task vector has tensor `{name}`, which `base` does not have")
             check_same_shape(name, base_state[name].shape, tensor.shape, what=("base", "task vector"))
         result = {}
-        for name, base_tensor in base_state.items():
-            if name in self.tensors:
-                dtype = compute_dtype(base_tensor.dtype, self.tensors[name].dtype)
-                updated = base_tensor.to(dtype) + float(scale) * self.tensors[name].to(device=base_tensor.device, dtype=dtype)
-                result[name] = updated.to(base_tensor.dtype)
-            else:
-                result[name] = base_tensor.clone()
+        for name, tensor in self.tensors.items():
+            base_tensor = base_state[name]
+            dtype = compute_dtype(base_tensor.dtype, tensor.dtype)
+            updated = base_tensor.to(dtype) + float(scale) * tensor.to(device=base_tensor.device, dtype=dtype)
+            result[name] = updated.to(base_tensor.dtype)
+        share_updates_of_tied(base_state, result)
+        result = {name: result[name] if name in result else tensor.clone() for name, tensor in base_state.items()}
         if isinstance(base, torch.nn.Module):
             model = copy.deepcopy(base)
             model.load_state_dict(result)

@@ -161,3 +161,19 @@ def test_adapter_for_another_base_names_the_tensor(tmp_path, lora_dirs):
     other_base = random_llama(tiny_llama_config(hidden_size=16, num_heads=2), seed=0)
     with pytest.raises(ValueError, match=r"made for another base: its `\S+lora_A.weight` has shape \(4, \d+\), but the base's `\S+` has shape \(\d+, \d+\)"):
         TaskVector.from_lora(other_base, lora_dirs["ab"])
+
+
+def test_tied_checkpoint_task_vector_updates_both_tied_names(tmp_path):
+    from composition.tiny import random_llama, tiny_llama_config
+
+    config = tiny_llama_config()
+    config.tie_word_embeddings = True
+    base, expert = random_llama(config, seed=0), random_llama(config, seed=1)
+    base.save_pretrained(tmp_path / "base")
+    expert.save_pretrained(tmp_path / "expert")
+    tau = TaskVector.from_checkpoints(tmp_path / "base", tmp_path / "expert")
+    assert "lm_head.weight" not in tau.tensors  # a tied checkpoint stores the shared tensor once
+    model = random_llama(config, seed=5)
+    model.load_state_dict(merge("task_arithmetic", base, [tau], progress=False))
+    torch.testing.assert_close(model.lm_head.weight, expert.lm_head.weight, atol=1e-6, rtol=0)
+    torch.testing.assert_close(tau.apply_to(base).lm_head.weight, expert.lm_head.weight, atol=1e-6, rtol=0)
