@@ -1,12 +1,13 @@
 """LoRA experts without full copies: dense ΔW of an adapter, adapters combined into one, training.
 
-peft's `add_weighted_adapter` offers `linear`, `ties`, `dare_*` and `magnitude_prune`
-combinations that merge the A matrices and the B matrices *separately*:
-(Σ_i √w_i A_i)ᵀ-style products contain cross terms B_i A_j, so the result is not Σ_i w_i ΔW_i and
-is usually far from it (see `tests/test_merging_lora.py`). Only `cat` (stack the ranks: exact) and
-`svd` (truncate Σ_i w_i ΔW_i to a rank: approximate) combine the true ΔW; they are the two offered
-here, with the relative error of ΔW reported. To merge ΔW with TIES or DARE, build dense task
-vectors (`TaskVector.from_lora`) and use `merging.merge`.
+peft's `add_weighted_adapter` also offers `linear`, `ties`, `dare_*` and `magnitude_prune`
+combinations. They merge the A matrices and the B matrices *separately*: `linear` builds
+A = Σ_i c_i A_i and B = Σ_i c_i B_i with c_i = √(w_i s_i), so B A = Σ_i Σ_j c_i c_j B_i A_j holds the
+cross terms B_i A_j (i ≠ j) and is not Σ_i w_i ΔW_i; on random adapters it is far from it (see
+`tests/test_merging_lora.py`). Do not use them as ΔW merges. Only `cat` (stack the ranks: exact)
+and `svd` (truncate Σ_i w_i ΔW_i to a rank: approximate) combine the true ΔW; they are the two
+offered here, with the relative error of ΔW reported. To merge ΔW with TIES or DARE, build dense
+task vectors (`TaskVector.from_lora`) and use `merging.merge`.
 """
 
 from __future__ import annotations

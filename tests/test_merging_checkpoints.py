@@ -142,3 +142,17 @@ def test_in_memory_merge_writes_a_loadable_model(base_model, expert_models, tmp_
         merge("ties", base_model, expert_models, density=0.2, out_dir=out_dir, progress=False)
     merge("linear", base_model.state_dict(), expert_models, out_dir=tmp_path / "sd", progress=False)
     assert set(load_file(str(tmp_path / "sd" / "model.safetensors"))) == set(base_model.state_dict())
+
+
+def test_example_configs_describe_the_same_merge():
+    from pathlib import Path
+
+    from mergekit.config import MergeConfiguration
+
+    from merging.checkpoints import load_merge_config
+
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    ours, typed = load_merge_config(configs / "merge_ties.yaml")
+    theirs, untyped = load_merge_config(configs / "merge_ties_mergekit.yaml")
+    assert typed is not None and untyped is None
+    assert MergeConfiguration.model_validate(ours) == MergeConfiguration.model_validate(theirs)
