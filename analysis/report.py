@@ -163,6 +163,7 @@ def plot_activity_heatmap(heatmap: list[dict], expert_names: list[str], path: Pa
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.patches import Rectangle
 
     panels = max(len(heatmap), 1)
     width = max([len(item["activity"][0]) for item in heatmap] + [8])
@@ -170,12 +171,22 @@ def plot_activity_heatmap(heatmap: list[dict], expert_names: list[str], path: Pa
     figure, axes = plt.subplots(
         panels, 1, figsize=(min(2.5 + 0.25 * width, 30), height), squeeze=False, layout="constrained"
     )
-    figure.suptitle("activity log10 KL(p_i ‖ p_b) per position; x label: the token the position predicts", fontsize=9)
+    figure.suptitle(
+        "activity log10 KL(p_i ‖ p_b) per position; x label: the token the position predicts; "
+        "cyan: estimated active interval [τ1, τ2)",
+        fontsize=9,
+    )
     image = None
     for axis, item in zip(axes[:, 0], heatmap):
         values = np.log10(np.asarray(item["activity"], dtype=float) + 1e-6)  # (k, n)
         image = axis.imshow(values, aspect="auto", cmap="magma", vmin=-4, vmax=1, interpolation="nearest")
         axis.set_yticks(range(len(expert_names)), expert_names, fontsize=7)
+        # The estimated active interval [τ1, τ2) of each expert, outlined.
+        for index, interval in enumerate(item.get("intervals") or []):
+            if interval is not None:
+                axis.add_patch(
+                    Rectangle((interval[0] - 0.5, index - 0.5), interval[1] - interval[0], 1, fill=False, edgecolor="cyan", linewidth=1.2)
+                )
         tokens = item.get("next_tokens")
         if tokens and len(tokens) <= 80:
             axis.set_xticks(range(len(tokens)), [repr(str(t))[1:-1].replace(" ", "␣") for t in tokens], fontsize=6)

@@ -317,7 +317,7 @@ class OverlapAccumulator:
 
         activity_grid = torch.zeros(k, *batch_shape, device=activity.device)  # (k, B, T)
         activity_grid[:, mask] = activity
-        self._update_intervals(activity_grid, mask)
+        intervals = self._update_intervals(activity_grid, mask)  # (k, B, 2)
 
         # 2. Overlap over the vocabulary.
         centred = dx._centred(base, experts)  # (k, N, V)
@@ -369,10 +369,10 @@ class OverlapAccumulator:
                     self.linearization_sum[index] += float(error.double().sum())
                     self.linearization_max[index] = max(float(self.linearization_max[index]), float(error.max()))
 
-        self._update_examples(components, composed, merged, activity_grid, mask, input_ids, attention_mask)
+        self._update_examples(components, composed, merged, activity_grid, intervals, mask, input_ids, attention_mask)
         self.positions += n
 
-    def _update_intervals(self, activity_grid: torch.Tensor, mask: torch.Tensor) -> None:
+    def _update_intervals(self, activity_grid: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         has_positions = mask.any(-1)  # (B,)
         self.sequences += int(has_positions.sum())
         intervals = dx.active_intervals(activity_grid, self.settings.epsilon, mask)  # (k, B, 2)
@@ -387,8 +387,9 @@ class OverlapAccumulator:
         self.pair_both_active += both.sum(-1).cpu()
         self.pair_intersecting += (intersections > 0).sum(-1).cpu()
         self.pair_iou_sum += iou.double().sum(-1).cpu()
+        return intervals
 
-    def _update_examples(self, components, composed, merged, activity_grid, mask, input_ids, attention_mask) -> None:
+    def _update_examples(self, components, composed, merged, activity_grid, intervals, mask, input_ids, attention_mask) -> None:
         settings = self.settings
         rows = mask.any(-1).nonzero().flatten().tolist()
         first_sequence = self.sequences - len(rows)
@@ -396,6 +397,12 @@ class OverlapAccumulator:
             if len(self.heatmap) >= settings.heatmap_sequences:
                 break
             columns = mask[row].nonzero().flatten()
+            # Each expert's [τ1, τ2) as indices into this row's measured positions; None if never active.
+            measured_index = mask[row].long().cumsum(0) - 1
+            row_intervals = [
+                None if start < 0 else [int(measured_index[start]), int(measured_index[end - 1]) + 1]
+                for start, end in intervals[:, row].tolist()
+            ]
             # Position t predicts token t+1: label each column with the token it predicts.
             next_tokens = None
             if input_ids is not None:
@@ -406,6 +413,7 @@ class OverlapAccumulator:
                     "sequence": first_sequence + offset,
                     "activity": activity_grid[:, row, columns].cpu().tolist(),  # (k, n_row)
                     "next_tokens": next_tokens,
+                    "intervals": row_intervals,
                 }
             )
         flat = mask.nonzero()  # (N, 2): (row, column)
@@ -414,6 +422,7 @@ class OverlapAccumulator:
             entry = {
                 "sequence": first_sequence + rows.index(row),
                 "column": column,
+                "position": column if attention_mask is None else int(attention_mask[row, :column].sum()),
                 "activity": activity_grid[:, row, column].cpu().tolist(),
             }
             if input_ids is not None:

@@ -146,3 +146,23 @@ def test_accumulator_rejects_wrong_shapes():
         OverlapAccumulator(["a", "a"], 16)
     with pytest.raises(ValueError, match="epsilons"):
         OverlapSettings(epsilons=[-1.0])
+
+
+def test_heatmap_keeps_activity_and_intervals_of_the_first_sequences():
+    torch.manual_seed(3)
+    base = torch.log_softmax(torch.randn(2, 7, 16), -1)
+    experts = base[None].repeat(2, 1, 1, 1).clone()
+    experts[0, :, 2:4] = torch.log_softmax(torch.randn(2, 2, 16) * 3, -1)  # columns [2, 4)
+    experts[1, :, 5:7] = torch.log_softmax(torch.randn(2, 2, 16) * 3, -1)  # columns [5, 7)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[0, :2] = False  # row 0: two padding columns, so measured index = column − 2
+    accumulator = OverlapAccumulator(["a", "b"], 16, settings=OverlapSettings(heatmap_sequences=2, epsilon=0.01))
+    accumulator.update(torch.cat([base[None], experts]), mask, input_ids=torch.arange(14).view(2, 7))
+    first, second = accumulator.heatmap
+    assert first["intervals"] == [[0, 2], [3, 5]] and second["intervals"] == [[2, 4], [5, 7]]
+    assert len(first["activity"][0]) == 5 and first["next_tokens"] == [3, 4, 5, 6, None]
+    report = accumulator.report().to_dict()
+    assert report["coactivation_rate"] == 0.0
+    assert report["pairs"]["a|b"]["interval_overlap_rate"] == 0.0
+    assert report["experts"]["a"]["interval_length_mean"] == 2.0
+    assert report["projective_error"]["single_active"] < 1e-5
