@@ -13,7 +13,7 @@ import torch
 
 from merging.io import SafetensorsCheckpoint
 
-_LAYER = re.compile(r"^(?P<prefix>.*?\blayers?\.(?P<index>\d+))\.")
+_LAYER = re.compile(r"^(?P<prefix>.*?\b(?:layers?|h|blocks?)\.\d+)\.")  # model.layers.3., transformer.h.3.
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -219,7 +219,7 @@ class TaskVector:
         return self.dot(other) / (norms[0] * norms[1])
 
     def layer_norms(self) -> dict[str, float]:
-        """L2 norm per layer: tensors under `...layers.<i>.` are grouped by layer; others by tensor name."""
+        """L2 norm per layer: tensors under `...layers.<i>.` (or `h.<i>.`, `blocks.<i>.`) are grouped; others by name."""
         squares: dict[str, float] = {}
         for name, tensor in self.tensors.items():
             match = _LAYER.match(name)
