@@ -319,6 +319,8 @@ class ComposedLM:
         eos_token_id: int | Sequence[int] | None = None,
         pad_token_id: int | None = None,
         seed: int | None = None,
+        position_ids: torch.Tensor | None = None,
+        generated_position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode from the composed distribution with one KV cache per component (or one shared one).
 
@@ -327,6 +329,11 @@ class ComposedLM:
         tokens; a row that emitted EOS is filled with `pad_token_id` afterwards. In sampling, the
         token drawn from the composed distribution is appended to every component's row.
         `eos_token_id` and `pad_token_id` default to the base model's generation config.
+
+        Positions default to each row's token count (left padding skipped), continuing by one per
+        generated token. A task that couples output positions to input positions can give
+        `position_ids` `(B, T)` for the prompt and `generated_position_ids` `(B, max_new_tokens)`,
+        the position of each generated token.
         """
         if max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
@@ -345,8 +352,21 @@ class ComposedLM:
         sequences[:, :prompt_length] = input_ids
         full_mask = torch.ones((batch, total), dtype=attention_mask.dtype, device=self.device)
         full_mask[:, :prompt_length] = attention_mask
-        position_ids = _position_ids(attention_mask)  # (B, T)
-        next_positions = position_ids[:, -1:] + 1  # (B, 1)
+        if position_ids is None:
+            position_ids = _position_ids(attention_mask)  # (B, T)
+        elif position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"`position_ids` must have the shape of `input_ids` {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}"
+            )
+        position_ids = position_ids.to(self.device)
+        if generated_position_ids is None:
+            generated_position_ids = position_ids[:, -1:] + 1 + torch.arange(max_new_tokens, device=self.device)
+        elif generated_position_ids.shape != (batch_size := input_ids.shape[0], max_new_tokens):
+            raise ValueError(
+                f"`generated_position_ids` must be (batch, max_new_tokens) = ({batch_size}, {max_new_tokens}), "
+                f"got {tuple(generated_position_ids.shape)}"
+            )
+        generated_position_ids = generated_position_ids.to(self.device)  # (B, max_new_tokens)
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
         # Greedy steps are checked for NaN on the device and the flag is read once at the end, so the
         # loop has no host sync but the EOS check. Sampling validates every step: NaN must not reach
@@ -375,10 +395,11 @@ class ComposedLM:
                     break
             if length == total:
                 break
+            step = length - prompt_length - 1  # index of the token just generated
             logits = self.backend.forward(
-                next_tokens[:, None], full_mask[:, :length], next_positions, cache, logits_to_keep=1
+                next_tokens[:, None], full_mask[:, :length], generated_position_ids[:, step : step + 1], cache,
+                logits_to_keep=1,
             )
-            next_positions += 1
         if invalid:
             raise ValueError(
                 "the composed distribution was NaN at some step: a component produced NaN logits, or "

@@ -27,12 +27,15 @@ def left_padded_batch(lengths, vocab=64, seed=0):
     return ids, mask
 
 
-def naive_greedy(models, weights, input_ids, attention_mask, max_new_tokens, eos=EOS, pad=PAD):
-    """Re-run every model on the whole prefix at every step (no cache), compose, take the argmax."""
+def naive_greedy(models, weights, input_ids, attention_mask, max_new_tokens, eos=EOS, pad=PAD, stride=1):
+    """Re-run every model on the whole prefix at every step (no cache), compose, take the argmax.
+
+    Token j of a row (padding skipped) sits at position `stride · j`.
+    """
     ids, mask = input_ids.clone(), attention_mask.clone()
     finished = torch.zeros(ids.shape[0], dtype=torch.bool)
     for _ in range(max_new_tokens):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = stride * (mask.cumsum(-1) - 1).clamp(min=0)
         logits = [m(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1] for m in models]
         scores = compose_logprobs(logits[0], logits[1:], weights)
         next_tokens = torch.where(finished, torch.tensor(pad), scores.argmax(-1))
@@ -145,6 +148,22 @@ def test_cached_greedy_equals_naive_loop(which, composed_full, composed_lora, ba
     expected = naive_greedy(models, None, ids, mask, max_new_tokens=12)
     assert generated.shape[0] == 3 and generated.shape[1] > ids.shape[1]
     assert torch.equal(generated, expected)
+
+
+def test_custom_positions_for_prompt_and_generated_tokens(composed_full, base_model, expert_models):
+    # Every token at twice its index: prompt and generated positions given explicitly.
+    ids, mask = left_padded_batch([4, 7], seed=11)
+    prompt_positions = 2 * (mask.cumsum(-1) - 1).clamp(min=0)
+    generated_positions = prompt_positions[:, -1:] + 2 * torch.arange(1, 9)
+    out = composed_full.generate(
+        ids, mask, max_new_tokens=8, eos_token_id=None, pad_token_id=PAD,
+        position_ids=prompt_positions, generated_position_ids=generated_positions,
+    )
+    expected = naive_greedy([base_model, *expert_models], None, ids, mask, 8, eos=-1, stride=2)
+    assert torch.equal(out, expected)
+    assert not torch.equal(out, composed_full.generate(ids, mask, max_new_tokens=8, eos_token_id=None, pad_token_id=PAD))
+    with pytest.raises(ValueError, match="generated_position_ids"):
+        composed_full.generate(ids, mask, max_new_tokens=8, generated_position_ids=generated_positions[:, :3])
 
 
 def test_rows_stop_at_eos_and_are_padded(composed_full):
