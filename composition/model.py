@@ -288,10 +288,24 @@ class ComposedLM:
         return self.backend.device
 
     @torch.no_grad()
-    def component_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Teacher-forced next-token log-probs of every component: `(k+1, B, T, V)`, base first."""
+    def component_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Teacher-forced next-token log-probs of every component: `(k+1, B, T, V)`, base first.
+
+        `position_ids` `(B, T)` defaults to each row's token count (left padding skipped), as in
+        `generate`."""
         input_ids, attention_mask = self._prepare(input_ids, attention_mask)
-        position_ids = _position_ids(attention_mask)
+        if position_ids is None:
+            position_ids = _position_ids(attention_mask)
+        elif position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"`position_ids` must have the shape of `input_ids` {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}"
+            )
+        position_ids = position_ids.to(self.device)
         logits = self.backend.forward(input_ids, attention_mask, position_ids)  # (k+1, B, T, V)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         if torch.isnan(logprobs).any():
@@ -299,9 +313,14 @@ class ComposedLM:
         return logprobs
 
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Teacher-forced composed log-probs `(B, T, V)`."""
-        components = self.component_logprobs(input_ids, attention_mask)  # (k+1, B, T, V)
+        components = self.component_logprobs(input_ids, attention_mask, position_ids)  # (k+1, B, T, V)
         return compose_with_remedies(components, self.weights, self.remedies)
 
     # ------------------------------------------------------------------ generation
