@@ -8,7 +8,7 @@ Systems, all greedy, same prompts, same number of new tokens (EOS disabled):
 
 Timing: one warm-up, then `--repeats` rounds in which every system runs once (interleaved);
 the median per system is reported as tokens/s and as a ratio to (a). Peak resident memory is
-measured for each system in its own fresh subprocess (ru_maxrss is a high-water mark).
+measured for each system in its own fresh subprocess (VmHWM, see benchmarks.memory).
 
     python -m benchmarks.decode                   # ~28 M-parameter Llama, batch 1 and 8
     python -m benchmarks.decode --smoke           # tiny sizes, one repeat (CI smoke run)
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.memory import peak_rss_mib
 from transformers import AutoModelForCausalLM
 
 SYSTEMS = ["base", "full", "lora", "naive"]
@@ -216,7 +217,7 @@ def memory_child(args) -> None:
     if bench.device.type == "cuda":
         print(torch.cuda.max_memory_allocated() / 2**20)  # peak device memory, MiB
     else:
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # peak RSS, MiB
+        print(peak_rss_mib())  # peak RSS, MiB
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 """TIES merge of three checkpoints: on disk through mergekit against in memory, wall time and peak RSS.
 
 Three random Llama checkpoints (a base and two experts = base + small noise) are saved as sharded
-safetensors. Each merge runs in its own fresh subprocess so that its peak RSS (ru_maxrss) is its own:
+safetensors. Each merge runs in its own fresh subprocess so that its peak RSS (VmHWM) is its own:
 
   disk    `merging.merge_checkpoints` (mergekit's `run_merge`, lazy tensor loading), written to disk
   memory  load the three models, `merging.merge("ties", ..., **MERGEKIT_MODE)`, save the result
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks.memory import peak_rss_mib
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +73,7 @@ def child(mode: str, workdir: Path, density: float) -> None:
 
     import merging  # noqa: F401
 
-    imports_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    imports_rss = peak_rss_mib()
     start = time.perf_counter()
     if mode == "disk":
         from merging import merge_checkpoints
@@ -96,7 +97,7 @@ def child(mode: str, workdir: Path, density: float) -> None:
         experts = [AutoModelForCausalLM.from_pretrained(workdir / f"expert_{i}") for i in range(2)]
         merge("ties", base, experts, density=density, out_dir=workdir / "merged_memory", overwrite=True, **MERGEKIT_MODE)
     seconds = time.perf_counter() - start
-    print(seconds, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, imports_rss)
+    print(seconds, peak_rss_mib(), imports_rss)
 
 
 def run_child(mode: str, workdir: Path, density: float) -> dict:
