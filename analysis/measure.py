@@ -18,19 +18,26 @@ from tqdm.auto import tqdm
 
 from analysis.parameters import parameter_overlap
 from analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
-from composition import ComposedLM, compose_logprobs
+from composition import ComposedLM, compose_with_remedies
 
 
 @torch.no_grad()
-def model_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def model_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Teacher-forced log-probs `(B, T, V)` of one causal LM, with the positions `ComposedLM` uses.
 
-    Position ids skip left padding (0 at each row's first real token), so a merged model is
-    scored on exactly the positions the composed components see.
+    Position ids default to skipping left padding (0 at each row's first real token), as
+    `ComposedLM` does, so a merged model is scored on exactly the positions the components see.
     """
     device = next(model.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    position_ids = position_ids.to(device)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     return torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
 
@@ -51,9 +58,11 @@ def measure_overlap(
 
     Args:
         composed: the base and its k experts; `composed.weights` (default 1 each) are the
-            exponents of the composition, and the λ of the merge being compared.
-        batches: dicts with `input_ids` `(B, T)`, optional `attention_mask` `(B, T)` and optional
-            `measure_mask` `(B, T)` bool (the positions to measure; default the attention mask).
+            exponents of the composition, and the λ of the merge being compared. q is what
+            `composed` itself composes (`compose_with_remedies` with its weights and remedies).
+        batches: dicts with `input_ids` `(B, T)`, optional `attention_mask` `(B, T)`, optional
+            `position_ids` `(B, T)` and optional `measure_mask` `(B, T)` bool (the positions to
+            measure; default the attention mask).
         merged_model: the task-arithmetic merge `θ_b + λ Σ_i τ_i` as a causal LM, optional; gives
             `merge_compose_gap` (and, with λ = 1 or `scaled_expert_models`, the interaction
             residual).
@@ -85,16 +94,17 @@ def measure_overlap(
             attention_mask = torch.ones_like(input_ids)
         mask = batch.get("measure_mask")
         mask = attention_mask.bool() if mask is None else mask.bool() & attention_mask.bool()
-        components = composed.component_logprobs(input_ids, attention_mask)  # (k+1, B, T, V)
+        position_ids = batch.get("position_ids")
+        components = composed.component_logprobs(input_ids, attention_mask, position_ids)  # (k+1, B, T, V)
         if accumulator is None:
             accumulator = OverlapAccumulator(
                 composed.expert_names, components.shape[-1], composed.weights, settings, decode=decode
             )
-        composed_logprobs = compose_logprobs(components[0], list(components[1:]), composed.weights)  # (B, T, V)
-        merged = None if merged_model is None else model_logprobs(merged_model, input_ids, attention_mask)
+        composed_logprobs = compose_with_remedies(components, composed.weights, composed.remedies)  # (B, T, V)
+        merged = None if merged_model is None else model_logprobs(merged_model, input_ids, attention_mask, position_ids)
         scaled = None
         if scaled_expert_models is not None:
-            scaled = torch.stack([model_logprobs(m, input_ids, attention_mask) for m in scaled_expert_models])
+            scaled = torch.stack([model_logprobs(m, input_ids, attention_mask, position_ids) for m in scaled_expert_models])
         accumulator.update(
             components,
             mask.to(components.device),
@@ -119,11 +129,12 @@ def measure_overlap(
 
 
 def with_weights(composed: ComposedLM, weights: Sequence[float]) -> ComposedLM:
-    """A shallow copy of `composed` (same models, same backend) with other exponents."""
+    """A shallow copy of `composed` (same models, same backend) with other exponents and no remedies."""
     if len(weights) != composed.num_experts:
         raise ValueError(f"`weights` must hold one weight per expert ({composed.num_experts}), got {len(weights)}")
     other = copy.copy(composed)
     other.weights = [float(w) for w in weights]
+    other.remedies = ()
     return other
 
 
