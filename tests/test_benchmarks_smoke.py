@@ -1,0 +1,20 @@
+"""Each benchmark runs end to end at tiny sizes. No figure is asserted: these only prove they run."""
+
+import json
+
+from benchmarks import decode, merge
+
+
+def test_decode_benchmark_runs(tmp_path):
+    out = tmp_path / "decode.json"
+    assert decode.main(["--smoke", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["batches"]["1"]) == {"base", "full", "lora", "naive"}
+    assert set(results["peak_rss_mb"]) == {"base", "full", "lora", "naive"}
+
+
+def test_merge_benchmark_runs(tmp_path):
+    out = tmp_path / "merge.json"
+    assert merge.main(["--smoke", "--out", str(out), "--workdir", str(tmp_path)]) == 0
+    results = json.loads(out.read_text())
+    assert {"disk", "memory", "max_abs_difference_disk_vs_memory"} <= set(results)
