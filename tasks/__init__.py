@@ -1,0 +1,1 @@
+"""Synthetic tasks: letter replacement, its training and `mergecompose compare`."""

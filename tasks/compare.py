@@ -1,0 +1,304 @@
+"""`mergecompose compare`: train (or load) the components, build every system, evaluate all on the same data.
+
+Systems:
+
+    base                   the base, on copying
+    expert:<name>          each expert, full (fine-tuned from the base, or trained alone)
+    expert:<name>:lora     each expert as a peft LoRA adapter on the base
+    compose                ComposedLM(base, full joint experts)
+    compose:lora           ComposedLM.from_adapters(base, joint adapters): one base copy
+    merge:<method>         merging.merge(method, base, full joint experts), hyperparameters
+                           chosen on the validation splits (the mean exact match over them)
+
+Every system is scored on every test split against the joint target, and on its own target
+per length (`by_length`): the base on copying, an expert on its skill, the rest on the joint task.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from tqdm.auto import tqdm
+
+from composition import ComposedLM
+from tasks.components import Components, prepare_components
+from tasks.config import CompareConfig, fingerprint
+from tasks.evaluate import (
+    ComposedSystem,
+    EvalData,
+    ModelSystem,
+    build_eval_data,
+    greedy_agreement,
+    mean_exact_match,
+    score,
+    summary,
+)
+from tasks.letters import JOINT
+from tasks.report import format_tables, plot_lengths, write_markdown, write_text_atomically
+
+BAR = 0.99  # the issue's bar for components and for the composition
+
+
+@dataclass
+class RunContext:
+    """What a results section gets: the config, the trained components, the data and the loaded systems."""
+
+    config: CompareConfig
+    components: Components
+    data: EvalData
+    systems: dict
+    curve_of: dict[str, str]
+
+
+# A results section: name -> function of the run's context returning a JSON-able dict, stored as
+# results[name]. Diagnostics from the `analysis` package attach here.
+Section = Callable[[RunContext], dict]
+
+
+def run_compare(
+    config: CompareConfig,
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
+    progress: bool = True,
+    sections: Mapping[str, Section] | None = None,
+    echo: Callable[[str], None] | None = print,
+) -> dict:
+    """Run the whole comparison and write `results.json`, `results.md`, `length.png`, `config.yaml` to `out_dir`.
+
+    `out_dir` keeps its `checkpoints/` between runs (reused by hash). A folder that holds the
+    results of another config, or that is not a compare folder, is refused unless `overwrite`.
+    Returns the results dict (the content of results.json).
+    """
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    config_hash = fingerprint(config)
+    _check_run_dir(out_dir, config_hash, overwrite)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    components = prepare_components(config, out_dir, progress)
+    timings["train_or_load"] = round(time.perf_counter() - started, 2)
+
+    stage = time.perf_counter()
+    task = config.task.letter_task()
+    data = build_eval_data(task, config.evaluation, config.eval_length, config.task.train_lengths[1])
+    timings["data"] = round(time.perf_counter() - stage, 2)
+
+    stage = time.perf_counter()
+    systems, curve_of = _single_systems(config, components)
+    systems.update(_compositions(config, components))
+    for name in [n for n in systems if n.startswith("compose")]:
+        curve_of[name] = JOINT
+    merges = _select_merges(config, components, data, progress)
+    for method, record in merges.items():
+        systems[f"merge:{method}"] = ModelSystem(f"merge:{method}", record.pop("model"))
+        curve_of[f"merge:{method}"] = JOINT
+    timings["systems_and_merge_selection"] = round(time.perf_counter() - stage, 2)
+
+    stage = time.perf_counter()
+    evaluated = _evaluate(config, components, data, systems, curve_of, progress)
+    timings["evaluation"] = round(time.perf_counter() - stage, 2)
+
+    results = {
+        "config": config.model_dump(mode="json"),
+        "config_hash": config_hash,
+        "systems": evaluated,
+        "merges": merges,
+        "skipped": _skipped(config),
+        "bars": check_bars(config, evaluated),
+        "training": components.training,
+        "checkpoints": {
+            "base": str(components.base_dir),
+            "experts": {name: str(path) for name, path in components.experts.items()},
+            "adapters": {name: str(path) for name, path in components.adapters.items()},
+        },
+        "data": {
+            "test": {name: len(eval_set) for name, eval_set in data.test.items()},
+            "validation": {name: len(eval_set) for name, eval_set in data.validation.items()},
+            "main_length": config.eval_length,
+            "train_lengths": list(config.task.train_lengths),
+        },
+    }
+    context = RunContext(config, components, data, systems, curve_of)
+    for name, section in (sections or {}).items():
+        results[name] = section(context)
+    timings["total"] = round(time.perf_counter() - started, 2)
+    results["timings"] = timings
+
+    write_text_atomically(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    write_text_atomically(out_dir / "results.json", json.dumps(results, indent=1))
+    write_markdown(results, out_dir / "results.md")
+    plot_lengths(results, out_dir / "length.png")
+    if echo is not None:
+        echo(format_tables(results))
+        echo(f"\nresults: {out_dir / 'results.json'}, {out_dir / 'results.md'}, {out_dir / 'length.png'}")
+    return results
+
+
+# ---------------------------------------------------------------------------------- systems
+
+
+def _single_systems(config: CompareConfig, components: Components) -> tuple[dict, dict[str, str]]:
+    systems = {"base": ModelSystem("base", components.load_base())}
+    curve_of = {"base": "copy"}
+    for name in config.task.skills:
+        systems[f"expert:{name}"] = ModelSystem(f"expert:{name}", components.load_expert(name))
+        curve_of[f"expert:{name}"] = f"skill:{name}"
+        if name in components.adapters:
+            systems[f"expert:{name}:lora"] = ModelSystem(f"expert:{name}:lora", components.load_adapter(name))
+            curve_of[f"expert:{name}:lora"] = f"skill:{name}"
+    return systems, curve_of
+
+
+def _compositions(config: CompareConfig, components: Components) -> dict:
+    joint = config.task.joint
+    composed = ComposedLM(components.load_base(), [components.load_expert(name) for name in joint])
+    systems = {"compose": ComposedSystem("compose", composed)}
+    if all(name in components.adapters for name in joint):
+        adapters = {name: str(components.adapters[name]) for name in joint}
+        systems["compose:lora"] = ComposedSystem("compose:lora", ComposedLM.from_adapters(components.load_base(), adapters))
+    return systems
+
+
+def _select_merges(config: CompareConfig, components: Components, data: EvalData, progress: bool) -> dict:
+    """For each method, the grid point with the best mean validation exact match (first one on ties)."""
+    if not config.merges:
+        return {}
+    from merging import merge
+
+    base = components.load_base()
+    experts = [components.load_expert(name) for name in config.task.joint]
+    validation = list(data.validation.values())
+    fmt, tokenizer, batch_size = components.format, components.tokenizer, config.evaluation.batch_size
+    jobs = [(method, params) for method, grid in config.merges.items() for params in grid.candidates()]
+    records: dict[str, dict] = {}
+    for method, params in tqdm(jobs, desc="merges (validation)", disable=not progress, leave=False):
+        state = merge(method, base, experts, seed=config.seed_merges, progress=False, **params)
+        model = copy.deepcopy(base)
+        model.load_state_dict(state)
+        value = mean_exact_match(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
+        record = records.setdefault(method, {"chosen": None, "validation": [], "model": None, "best": -1.0})
+        record["validation"].append({**params, "mean_exact_match": value})
+        if value > record["best"]:
+            record.update(chosen=dict(params), best=value, model=model)
+    for record in records.values():
+        record["validation_exact_match"] = record.pop("best")
+    return records
+
+
+def _skipped(config: CompareConfig) -> dict[str, str]:
+    skipped = {}
+    if config.training.experts.init == "scratch":
+        reason = "experts trained from scratch have no task vectors relative to the base"
+        for method in ("linear", "task_arithmetic", "ties", "dare_ties"):
+            skipped[f"merge:{method}"] = reason
+        skipped["compose:lora"] = "LoRA adapters need experts fine-tuned from the base"
+    elif config.training.experts.lora is None:
+        skipped["compose:lora"] = "no LoRA recipe in the config (`training.experts.lora`)"
+    return skipped
+
+
+# ---------------------------------------------------------------------------------- evaluation
+
+
+def _evaluate(config: CompareConfig, components: Components, data: EvalData, systems: dict, curve_of: dict, progress: bool) -> dict:
+    fmt, tokenizer, batch_size = components.format, components.tokenizer, config.evaluation.batch_size
+    check = config.evaluation.greedy_check if config.task.formulation == "seq2seq" else 0
+    # Real greedy decoding on the first `check` strings of `joint` and of the longest length split.
+    longest = max(data.test.values(), key=lambda eval_set: eval_set.length)
+    checked = {JOINT, longest.name}
+    results = {}
+    for name, system in tqdm(systems.items(), desc="evaluate", disable=not progress, leave=False):
+        splits, agreement = {}, []
+        for split, eval_set in data.test.items():
+            scored = score(system, eval_set, fmt, tokenizer, batch_size)
+            splits[split] = summary(scored)
+            if check and split in checked:
+                agreement.append(greedy_agreement(system, eval_set.head(check), fmt, tokenizer, batch_size, scored))
+        by_length, by_length_ci, by_length_n, by_length_first_error = {}, {}, {}, {}
+        for length, eval_set in data.curves[curve_of[name]].items():
+            scored = score(system, eval_set, fmt, tokenizer, batch_size)
+            cell = summary(scored)
+            by_length[str(length)] = cell["exact_match"]
+            by_length_ci[str(length)] = cell["ci95"]
+            by_length_n[str(length)] = cell["n"]
+            by_length_first_error[str(length)] = cell["first_error"]
+        results[name] = {
+            "target": curve_of[name],
+            "splits": splits,
+            "by_length": by_length,
+            "by_length_ci95": by_length_ci,
+            "by_length_n": by_length_n,
+            "by_length_first_error": by_length_first_error,
+            "greedy_check": agreement,
+        }
+    return results
+
+
+def check_bars(config: CompareConfig, systems: dict) -> list[dict]:
+    """The issue's bars, each with its value and whether it applies and passes.
+
+    * the base ≥ 99 % on copying and each expert ≥ 99 % on its skill, at every evaluated
+      length within the training lengths;
+    * compose ≥ 99 % on `joint` at the main length, with at least 1,000 strings;
+    * compose ≥ 99 % at 2× the longest training length, where every component is ≥ 99 % there.
+    """
+    low, high = config.task.train_lengths
+    lengths = [length for length in config.evaluation.lengths if low <= length <= high]
+    bars = []
+
+    def add(text, value, applies=True, n=None):
+        bars.append({"bar": text, "value": value, "n": n, "applies": applies, "passed": applies and value >= BAR})
+
+    for name, record in systems.items():
+        if name.startswith(("compose", "merge")):
+            continue
+        for length in lengths:
+            add(f"{name} on {record['target']} at length {length} >= {BAR:.0%}", record["by_length"][str(length)],
+                n=record["by_length_n"][str(length)])
+    for name, suffix in (("compose", ""), ("compose:lora", ":lora")):
+        if name not in systems:
+            continue
+        joint = systems[name]["splits"][JOINT]
+        add(f"{name} on joint at length {config.eval_length} >= {BAR:.0%} (n >= 1000)", joint["exact_match"],
+            applies=joint["n"] >= 1000, n=joint["n"])
+        double = str(2 * high)
+        if double in systems[name]["by_length"]:
+            components = ["base", *[f"expert:{expert}{suffix}" for expert in config.task.joint]]
+            ready = all(systems[c]["by_length"].get(double, 0.0) >= BAR for c in components if c in systems)
+            add(f"{name} on joint at length {double} >= {BAR:.0%} (applies where every component is >= {BAR:.0%})",
+                systems[name]["by_length"][double], applies=ready, n=systems[name]["by_length_n"][double])
+    return bars
+
+
+# ---------------------------------------------------------------------------------- files
+
+
+def _check_run_dir(out_dir: Path, config_hash: str, overwrite: bool) -> None:
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"`out_dir` {str(out_dir)!r} exists and is not a folder")
+    results = out_dir / "results.json"
+    if results.is_file():
+        previous = json.loads(results.read_text()).get("config_hash")
+        if previous != config_hash and not overwrite:
+            raise FileExistsError(
+                f"{out_dir} holds the results of another config (hash {previous}, this one is {config_hash}); "
+                "pass overwrite=True (--overwrite) to replace them, or choose another folder"
+            )
+        return
+    others = [path.name for path in out_dir.iterdir() if path.name != "checkpoints"]
+    if others and not overwrite:
+        raise FileExistsError(
+            f"{out_dir} exists and is not a compare run folder (it holds {sorted(others)[:5]}); "
+            "pass overwrite=True (--overwrite) or choose another folder"
+        )
+

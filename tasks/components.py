@@ -1,0 +1,181 @@
+"""Train or load the base and the experts, cached under the run folder by a hash of what made them.
+
+    DIR/checkpoints/base-<hash>/            transformers folder (safetensors, config, tokenizer)
+    DIR/checkpoints/expert-ab-<hash>/       full fine-tune (or, with `init: scratch`, trained alone)
+    DIR/checkpoints/lora-ab-<hash>/         peft LoRA adapter folder for the base
+
+Each hash covers only the settings that shape that checkpoint (an expert's includes its base's
+hash), so changing the evaluation or the merges retrains nothing, and changing the expert
+recipe keeps the base. A folder is complete once its `training.json` exists; it is written into
+a temporary folder beside it and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from peft import PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from tasks.config import CompareConfig, TrainingSettings, fingerprint
+from tasks.formats import SequenceFormat
+from tasks.models import build_model, lora_config
+from tasks.tokenizer import build_tokenizer
+from tasks.train import TrainingStrings, train_model
+
+# Bump when the meaning of a training setting changes, so that old checkpoints are not reused.
+CHECKPOINT_VERSION = 1
+
+
+def derived_seed(seed: int, *labels: str) -> int:
+    """A stable 31-bit seed per component, from the run's seed and the component's name."""
+    digest = hashlib.sha256(json.dumps([seed, *labels]).encode()).hexdigest()
+    return int(digest[:8], 16) & 0x7FFFFFFF
+
+
+def sequence_format(config: CompareConfig, tokenizer) -> SequenceFormat:
+    return SequenceFormat(
+        formulation=config.task.formulation,
+        positions=config.positions.scheme,
+        randomize=config.positions.randomize,
+        max_position=config.positions.max_position,
+        pad_id=tokenizer.pad_token_id,
+        eos_id=tokenizer.eos_token_id,
+        sep_id=tokenizer.sep_token_id,
+    )
+
+
+@dataclass
+class Components:
+    """Where the trained base, experts and adapters are, and how each was made."""
+
+    tokenizer: object
+    format: SequenceFormat
+    base_dir: Path
+    experts: dict[str, Path]
+    adapters: dict[str, Path]
+    training: dict[str, dict] = field(default_factory=dict)  # component -> fingerprint, cached, log
+
+    def load_base(self) -> PreTrainedModel:
+        """A fresh copy of the base (callers may modify it)."""
+        return AutoModelForCausalLM.from_pretrained(self.base_dir).eval()
+
+    def load_expert(self, name: str) -> PreTrainedModel:
+        return AutoModelForCausalLM.from_pretrained(self.experts[name]).eval()
+
+    def load_adapter(self, name: str) -> PeftModel:
+        """The LoRA expert `name` on its own fresh copy of the base (unmerged, as peft runs it)."""
+        return PeftModel.from_pretrained(self.load_base(), str(self.adapters[name])).eval()
+
+
+def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = True) -> Components:
+    """Train whatever is not cached yet under `run_dir/checkpoints`, and return where everything is."""
+    tokenizer = build_tokenizer(config.task.alphabet)
+    fmt = sequence_format(config, tokenizer)
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    task = config.task
+    shared = {
+        "version": CHECKPOINT_VERSION,
+        "formulation": task.formulation,
+        "alphabet": task.alphabet,
+        "train_lengths": list(task.train_lengths),
+        "positions": config.positions.model_dump(mode="json"),
+        "model": config.model.model_dump(mode="json"),
+        "seed": config.training.seed,
+    }
+    training: dict[str, dict] = {}
+
+    def new_model(*labels: str) -> PreTrainedModel:
+        return build_model(
+            config.model, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id,
+            derived_seed(config.training.seed, *labels),
+        )
+
+    def strings(replace: dict, settings: TrainingSettings, *labels: str) -> TrainingStrings:
+        return TrainingStrings(
+            task.alphabet, task.train_lengths, replace, tokenizer, fmt, settings,
+            derived_seed(config.training.seed, "data", *labels),
+        )
+
+    def checkpoint(label: str, recipe: dict, make: Callable[[Path], dict]) -> Path:
+        digest = fingerprint(recipe)
+        target = root / f"{label}-{digest}"
+        cached = (target / "training.json").is_file()
+        if not cached:
+            _write_atomically(target, lambda folder: _finish(folder, recipe, make(folder), tokenizer))
+        record = json.loads((target / "training.json").read_text())
+        training[label] = {"fingerprint": digest, "cached": cached, "path": str(target), "log": record["log"]}
+        return target
+
+    # The base copies: trained from scratch on the identity map.
+    base_recipe = {"component": "base", **shared, "training": config.training.base.model_dump(mode="json")}
+
+    def train_base(folder: Path) -> dict:
+        model = new_model("base")
+        log = train_model(model, strings({}, config.training.base, "base"), config.training.base, "base", progress)
+        model.save_pretrained(folder)
+        return log.to_dict()
+
+    base_dir = checkpoint("base", base_recipe, train_base)
+
+    experts, adapters = {}, {}
+    plan = config.training.experts
+    for name, replace in task.skills.items():
+        recipe = {
+            "component": "expert",
+            **shared,
+            "skill": name,
+            "replace": replace,
+            "init": plan.init,
+            "base": base_recipe if plan.init == "base" else None,
+            "training": plan.full.model_dump(mode="json"),
+        }
+
+        def train_expert(folder: Path, name=name, replace=replace) -> dict:
+            model = AutoModelForCausalLM.from_pretrained(base_dir) if plan.init == "base" else new_model("expert", name)
+            log = train_model(model, strings(replace, plan.full, "expert", name), plan.full, f"expert {name}", progress)
+            model.save_pretrained(folder)
+            return log.to_dict()
+
+        experts[name] = checkpoint(f"expert-{name}", recipe, train_expert)
+
+        if plan.lora is not None:
+            lora_recipe = {**recipe, "component": "lora", "base": base_recipe, "training": plan.lora.model_dump(mode="json")}
+
+            def train_adapter(folder: Path, name=name, replace=replace) -> dict:
+                base = AutoModelForCausalLM.from_pretrained(base_dir)
+                peft_model = get_peft_model(base, lora_config(plan.lora, config.model.architecture))
+                settings = plan.lora.training
+                log = train_model(peft_model, strings(replace, settings, "lora", name), settings, f"lora {name}", progress)
+                peft_model.save_pretrained(str(folder))
+                return log.to_dict()
+
+            adapters[name] = checkpoint(f"lora-{name}", lora_recipe, train_adapter)
+
+    return Components(tokenizer, fmt, base_dir, experts, adapters, training)
+
+
+def _finish(folder: Path, recipe: dict, log: dict, tokenizer) -> None:
+    tokenizer.save_pretrained(str(folder))
+    (folder / "training.json").write_text(json.dumps({"recipe": recipe, "log": log}, indent=1))
+
+
+def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """Fill a temporary folder next to `target`, then rename it to `target`."""
+    temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(temporary)
+        if target.exists():  # an unfinished folder from an interrupted run (no training.json)
+            shutil.rmtree(target)
+        os.replace(temporary, target)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise

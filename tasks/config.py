@@ -1,0 +1,264 @@
+"""Typed configuration of a `mergecompose compare` run, loaded from YAML (`load_config`).
+
+A run trains a base and its experts, builds the merges and the compositions, and evaluates
+every system on the same held-out data. Every field is checked at load time; an unknown key is
+an error that names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from tasks.letters import LetterTask
+
+MERGE_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TaskSettings(_Strict):
+    """The letter-replacement task: skills as data (name -> {source: replacement})."""
+
+    formulation: Literal["seq2seq", "aligned"] = "seq2seq"
+    alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
+    skills: dict[str, dict[str, str]] = Field(
+        default_factory=lambda: {"ab": {"A": "B"}, "cd": {"C": "D"}, "ac": {"A": "C"}}
+    )
+    joint: list[str] = Field(default_factory=lambda: ["ab", "cd"])
+    train_lengths: tuple[int, int] = (1, 16)
+
+    @field_validator("train_lengths")
+    @classmethod
+    def _lengths(cls, value):
+        low, high = value
+        if not 1 <= low <= high:
+            raise ValueError(f"`train_lengths` must be (min, max) with 1 <= min <= max, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _task(self):
+        self.letter_task()  # raises ValueError naming the bad skill, letter or joint entry
+        return self
+
+    def letter_task(self) -> LetterTask:
+        return LetterTask(self.alphabet, self.skills, self.joint)
+
+
+class PositionSettings(_Strict):
+    """Position ids (see `tasks.formats`): the scheme, and random slots in training."""
+
+    scheme: Literal["coupled", "contiguous"] = "coupled"
+    randomize: bool = True
+    max_position: int = Field(256, ge=1)
+
+
+class ModelSettings(_Strict):
+    """A small transformers causal LM: Llama (RoPE) or GPT-2 (learned absolute positions)."""
+
+    architecture: Literal["llama", "gpt2"] = "llama"
+    hidden_size: int = Field(64, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(2, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)  # default: 2 × hidden (llama), 4 × hidden (gpt2)
+    max_position_embeddings: int = Field(256, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+
+    @model_validator(mode="after")
+    def _heads(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"`hidden_size` ({self.hidden_size}) must be divisible by `num_heads` ({self.num_heads})")
+        return self
+
+
+class TrainingSettings(_Strict):
+    """One training run: either `steps` on fresh random strings, or `epochs` over `num_examples` fixed ones."""
+
+    steps: int | None = Field(None, ge=1)
+    epochs: int | None = Field(None, ge=1)
+    num_examples: int | None = Field(None, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_fraction: float = Field(0.1, ge=0, lt=1)
+    grad_clip: float | None = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        streaming = self.steps is not None
+        fixed = self.epochs is not None or self.num_examples is not None
+        if streaming == fixed or (fixed and (self.epochs is None or self.num_examples is None)):
+            raise ValueError(
+                "give either `steps` (fresh random strings every step) or both `epochs` and `num_examples` "
+                f"(a fixed training set), got steps={self.steps}, epochs={self.epochs}, num_examples={self.num_examples}"
+            )
+        return self
+
+    @property
+    def total_steps(self) -> int:
+        if self.steps is not None:
+            return self.steps
+        return self.epochs * -(-self.num_examples // self.batch_size)
+
+
+class LoraSettings(_Strict):
+    """A peft LoRA adapter trained on the base (which stays frozen)."""
+
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    training: TrainingSettings
+
+
+class ExpertTraining(_Strict):
+    """How experts are made: fine-tuned from the base (full and LoRA), or trained from scratch (the paper)."""
+
+    init: Literal["base", "scratch"] = "base"
+    full: TrainingSettings
+    lora: LoraSettings | None = None
+
+    @model_validator(mode="after")
+    def _lora_needs_base(self):
+        if self.init == "scratch" and self.lora is not None:
+            raise ValueError("`lora` needs experts fine-tuned from the base (`init: base`); got `init: scratch`")
+        return self
+
+
+class TrainingPlan(_Strict):
+    seed: int = 0
+    base: TrainingSettings
+    experts: ExpertTraining
+
+
+class EvaluationSettings(_Strict):
+    """Held-out data. Main splits use strings of `length`; `lengths` are the per-length curves."""
+
+    seed: int = 1234
+    length: int | None = Field(None, ge=1)  # default: the longest training length
+    joint_size: int = Field(1000, ge=1)
+    split_size: int = Field(500, ge=1)  # each single-skill split and `neither`
+    validation_size: int = Field(200, ge=1)  # per main split, for choosing merge hyperparameters
+    lengths: list[int] = Field(default_factory=lambda: [8, 16, 24, 32, 48, 64])
+    length_size: int = Field(300, ge=1)
+    batch_size: int = Field(256, ge=1)
+    greedy_check: int = Field(32, ge=0)  # examples per system and length split decoded greedily
+
+    @field_validator("lengths")
+    @classmethod
+    def _sorted_lengths(cls, value):
+        if len(value) == 0 or any(length < 1 for length in value) or len(set(value)) != len(value):
+            raise ValueError(f"`lengths` must be distinct positive integers, got {value}")
+        return sorted(value)
+
+
+class MergeGrid(_Strict):
+    """Candidate hyperparameters of one merge method; every combination is tried on validation."""
+
+    lam: list[float] | None = None
+    density: list[float] | None = None
+    drop_rate: list[float] | None = None
+
+    def candidates(self) -> list[dict[str, float]]:
+        grid = [{}]
+        for name in ("lam", "density", "drop_rate"):
+            values = getattr(self, name)
+            if values is not None:
+                if len(values) == 0:
+                    raise ValueError(f"`{name}` must list at least one value, got []")
+                grid = [{**point, name: value} for point in grid for value in values]
+        return grid
+
+
+def _default_merges() -> dict[str, MergeGrid]:
+    lams = [0.5, 0.75, 1.0, 1.25, 1.5]
+    return {
+        "linear": MergeGrid(),
+        "task_arithmetic": MergeGrid(lam=lams),
+        "ties": MergeGrid(lam=lams, density=[0.2, 0.5, 0.8]),
+        "dare_ties": MergeGrid(lam=lams, drop_rate=[0.2, 0.5, 0.8]),
+    }
+
+
+class CompareConfig(_Strict):
+    """Everything `mergecompose compare` needs; the resolved config is written beside the results."""
+
+    name: str = "letters"
+    task: TaskSettings = Field(default_factory=TaskSettings)
+    positions: PositionSettings = Field(default_factory=PositionSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    training: TrainingPlan
+    evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
+    merges: dict[str, MergeGrid] = Field(default_factory=_default_merges)
+    seed_merges: int = 0  # DARE's random drop seed
+
+    @field_validator("merges")
+    @classmethod
+    def _known_methods(cls, value):
+        unknown = sorted(set(value) - set(MERGE_METHODS))
+        if unknown:
+            raise ValueError(f"unknown merge methods {unknown}; valid: {list(MERGE_METHODS)}")
+        for method, grid in value.items():
+            grid.candidates()
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.task.formulation == "aligned" and self.positions.scheme == "coupled":
+            raise ValueError("`positions.scheme: coupled` is for seq2seq; the aligned formulation needs `contiguous`")
+        longest = max([*self.evaluation.lengths, self.eval_length, self.task.train_lengths[1]])
+        # seq2seq: room for two generated tokens past the target's <eos> (the greedy check).
+        needed = self.slots_needed(longest) + (2 if self.task.formulation == "seq2seq" else 0)
+        if needed > self.positions.max_position:
+            raise ValueError(
+                f"`positions.max_position` = {self.positions.max_position} is too small for strings of length "
+                f"{longest} (needs {needed})"
+            )
+        if self.positions.max_position > self.model.max_position_embeddings:
+            raise ValueError(
+                f"`positions.max_position` ({self.positions.max_position}) exceeds "
+                f"`model.max_position_embeddings` ({self.model.max_position_embeddings})"
+            )
+        if self.training.experts.init == "scratch" and self.merges:
+            raise ValueError(
+                "merges need experts fine-tuned from the base (`training.experts.init: base`); "
+                "with `init: scratch` set `merges: {}`"
+            )
+        return self
+
+    @property
+    def eval_length(self) -> int:
+        return self.evaluation.length or self.task.train_lengths[1]
+
+    def slots_needed(self, length: int) -> int:
+        if self.task.formulation == "aligned":
+            return length
+        return length + 1 if self.positions.scheme == "coupled" else 2 * length + 2
+
+
+def load_config(path: str | Path) -> CompareConfig:
+    """Read a YAML file with `yaml.safe_load` and validate it; errors name the file and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of settings, got {type(data).__name__}")
+    try:
+        return CompareConfig.model_validate(data)
+    except ValidationError as error:
+        raise ValueError(f"{path}: invalid config:\n{error}") from error
+
+
+def fingerprint(*parts) -> str:
+    """A short, stable hash of JSON-able parts (pydantic models are dumped first)."""
+    dumped = [part.model_dump(mode="json") if isinstance(part, BaseModel) else part for part in parts]
+    text = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
