@@ -142,43 +142,39 @@ class SkillSpec(BaseModel):
         return get_transform(self.transform).apply(content, alphabet, self.amount)
 
 
-class LengthRange(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    min: int = Field(ge=0)
-    max: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self):
-        if self.min > self.max:
-            raise ValueError(f"length range needs min <= max, got min={self.min}, max={self.max}")
-        return self
-
-
 class SkillsTaskSpec(BaseModel):
     """The sequential-skills family. `num_experts` (k) picks the first k entries of `skills`.
 
-    Inputs are `length` characters long (markers included). Each segment holds
-    `segment_length` letters from `alphabet`; the background draws from `alphabet` plus
-    `background_extra` (e.g. a space). In a training input each skill's marker pair appears
-    with probability `marker_rate`, an expert's own pair with `own_marker_rate`.
+    Training inputs are `train_lengths` = (min, max) characters long, markers included. Each
+    segment holds `segment_lengths` = (min, max) letters from `letters`; the background draws
+    from `letters` plus `background_extra` (e.g. a space). In a training input each skill's
+    marker pair appears with probability `marker_rate`, an expert's own pair with
+    `own_marker_rate`.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    letters: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
     background_extra: str = " "
     skills: list[SkillSpec]
     num_experts: int = Field(ge=1)
-    length: LengthRange = LengthRange(min=1, max=32)
-    segment_length: LengthRange = LengthRange(min=2, max=5)
+    train_lengths: tuple[int, int] = (1, 32)
+    segment_lengths: tuple[int, int] = (2, 5)
     marker_rate: float = Field(0.5, ge=0, le=1)
     own_marker_rate: float = Field(0.8, ge=0, le=1)
 
+    @field_validator("train_lengths", "segment_lengths")
+    @classmethod
+    def _range(cls, value, info):
+        low, high = value
+        if not 1 <= low <= high:
+            raise ValueError(f"`{info.field_name}` must be (min, max) with 1 <= min <= max, got {value}")
+        return value
+
     @model_validator(mode="after")
     def _consistent(self):
-        if len(set(self.alphabet)) != len(self.alphabet) or not self.alphabet:
-            raise ValueError(f"`alphabet` must be non-empty with distinct characters, got {self.alphabet!r}")
+        if len(set(self.letters)) != len(self.letters) or not self.letters:
+            raise ValueError(f"`letters` must be non-empty with distinct characters, got {self.letters!r}")
         names = [skill.name for skill in self.skills]
         if len(set(names)) != len(names):
             raise ValueError(f"skill names must be distinct, got {names}")
@@ -189,16 +185,14 @@ class SkillsTaskSpec(BaseModel):
         markers = [m for skill in self.skills for m in (skill.open, skill.close)]
         if len(set(markers)) != len(markers):
             raise ValueError(f"marker characters must be distinct across skills, got {markers}")
-        clash = sorted(set(markers) & set(self.alphabet + self.background_extra))
+        clash = sorted(set(markers) & set(self.letters + self.background_extra))
         if clash:
-            raise ValueError(f"marker characters {clash} also appear in `alphabet` or `background_extra`")
-        if self.segment_length.min < 1:
-            raise ValueError(f"`segment_length.min` must be >= 1, got {self.segment_length.min}")
-        needed = self.num_experts * (self.segment_length.min + 2)
-        if needed > self.length.max:
+            raise ValueError(f"marker characters {clash} also appear in `letters` or `background_extra`")
+        needed = self.num_experts * (self.segment_lengths[0] + 2)
+        if needed > self.train_lengths[1]:
             raise ValueError(
-                f"`length.max` ({self.length.max}) cannot hold one segment per expert: {self.num_experts} "
-                f"segments of at least {self.segment_length.min} letters plus 2 markers need {needed}"
+                f"`train_lengths` max ({self.train_lengths[1]}) cannot hold one segment per expert: {self.num_experts} "
+                f"segments of at least {self.segment_lengths[0]} letters plus 2 markers need {needed}"
             )
         return self
 
@@ -208,10 +202,10 @@ class SkillsTaskSpec(BaseModel):
         return self.skills[: self.num_experts]
 
     @property
-    def characters(self) -> str:
-        """Every character an input or target can hold, in a fixed order (for a tokenizer)."""
+    def alphabet(self) -> str:
+        """Every character an input or target can hold, in a fixed order (the tokenizer's alphabet)."""
         markers = "".join(skill.open + skill.close for skill in self.skills)
-        return "".join(dict.fromkeys(self.alphabet + self.background_extra + markers))
+        return "".join(dict.fromkeys(self.letters + self.background_extra + markers))
 
     def skill(self, name: str) -> SkillSpec:
         for skill in self.skills:
@@ -298,7 +292,7 @@ def rewrite(text: str, spec: SkillsTaskSpec, apply: Sequence[str]) -> Target:
         emit(text[cursor : segment.start], BACKGROUND, NO_OWNER)
         content = text[segment.start + 1 : segment.end - 1]
         emit(skill.open, BOUNDARY, owner)
-        emit(skill.rewrite(content, spec.alphabet) if skill.name in apply else content, SEGMENT, owner)
+        emit(skill.rewrite(content, spec.letters) if skill.name in apply else content, SEGMENT, owner)
         emit(skill.close, BOUNDARY, owner)
         cursor = segment.end
     emit(text[cursor:], BACKGROUND, NO_OWNER)
@@ -317,59 +311,59 @@ def region_labels(target: Target) -> list[int]:
 def sample_input(rng: random.Random, spec: SkillsTaskSpec, present: Sequence[str], length: int) -> str:
     """A random input of exactly `length` characters with one segment per skill in `present`.
 
-    The segments appear in a random order; each holds `segment_length.min`…`max` random letters
+    The segments appear in a random order; each holds `segment_lengths` (min … max) random letters
     (shortened, longest first, when they would not fit), and the rest of the length is
     background split at random between the gaps before, between and after them (a gap may be
     empty, so two segments can touch).
     """
     skills = [spec.skill(name) for name in present]
-    shortest = len(skills) * (spec.segment_length.min + 2)
+    shortest = len(skills) * (spec.segment_lengths[0] + 2)
     if length < shortest:
         raise ValueError(
-            f"`length` {length} cannot hold {len(skills)} segments of at least {spec.segment_length.min} letters; "
+            f"`length` {length} cannot hold {len(skills)} segments of at least {spec.segment_lengths[0]} letters; "
             f"need at least {shortest}"
         )
     rng.shuffle(skills)
-    sizes = [rng.randint(spec.segment_length.min, spec.segment_length.max) for _ in skills]
+    sizes = [rng.randint(spec.segment_lengths[0], spec.segment_lengths[1]) for _ in skills]
     while sum(sizes) + 2 * len(sizes) > length:
         sizes[sizes.index(max(sizes))] -= 1
     background = length - sum(sizes) - 2 * len(sizes)
     # Split the background into len(skills) + 1 gaps: cut points drawn with replacement.
     cuts = sorted(rng.randint(0, background) for _ in skills)
     gaps = [b - a for a, b in zip([0, *cuts], [*cuts, background])]
-    plain = spec.alphabet + spec.background_extra
+    plain = spec.letters + spec.background_extra
     pieces = []
     for gap, skill, size in zip(gaps, skills, sizes):
         pieces.append("".join(rng.choice(plain) for _ in range(gap)))
-        pieces.append(skill.open + "".join(rng.choice(spec.alphabet) for _ in range(size)) + skill.close)
+        pieces.append(skill.open + "".join(rng.choice(spec.letters) for _ in range(size)) + skill.close)
     pieces.append("".join(rng.choice(plain) for _ in range(gaps[-1])))
     return "".join(pieces)
 
 
 def max_segments(spec: SkillsTaskSpec, length: int) -> int:
     """How many segments of minimal size fit in `length` characters."""
-    return length // (spec.segment_length.min + 2)
+    return length // (spec.segment_lengths[0] + 2)
 
 
 def sample_training_input(rng: random.Random, spec: SkillsTaskSpec, own: str | None = None) -> str:
     """A training input: each skill's pair present with `marker_rate` (`own` with `own_marker_rate`).
 
     Every skill of the list, not only the k composed ones, can appear, so that the base and
-    each expert are the same models whatever k is; the length is drawn from `length`, at least
+    each expert are the same models whatever k is; the length is drawn from `train_lengths`, at least
     enough for the drawn segments (extra segments are dropped, `own` last, when even
-    `length.max` is too short).
+    the longest training length is too short).
     """
     present = []
     for skill in spec.skills:
         rate = spec.own_marker_rate if skill.name == own else spec.marker_rate
         if rng.random() < rate:
             present.append(skill.name)
-    fit = max_segments(spec, spec.length.max)
+    fit = max_segments(spec, spec.train_lengths[1])
     while len(present) > fit:
         droppable = [name for name in present if name != own]
         present.remove(rng.choice(droppable))
-    shortest = len(present) * (spec.segment_length.min + 2)
-    length = rng.randint(max(spec.length.min, shortest), spec.length.max)
+    shortest = len(present) * (spec.segment_lengths[0] + 2)
+    length = rng.randint(max(spec.train_lengths[0], shortest), spec.train_lengths[1])
     return sample_input(rng, spec, present, length)
 
 
@@ -394,7 +388,7 @@ def split_names(spec: SkillsTaskSpec, lengths: Sequence[int] = ()) -> list[str]:
 def split_input(rng: random.Random, spec: SkillsTaskSpec, split: str) -> str:
     """One input of `split` (see `split_names`).
 
-    * `joint`: one segment of every composed expert, length drawn from `length` (at least what
+    * `joint`: one segment of every composed expert, length drawn from `train_lengths` (at least what
       the segments need);
     * `only_<skill>`: one segment of that skill and nothing else marked;
     * `neither`: plain text, no marker;
@@ -402,7 +396,7 @@ def split_input(rng: random.Random, spec: SkillsTaskSpec, split: str) -> str:
     """
     experts = [s.name for s in spec.experts]
     if split == "neither":
-        return sample_input(rng, spec, [], rng.randint(max(spec.length.min, 1), spec.length.max))
+        return sample_input(rng, spec, [], rng.randint(max(spec.train_lengths[0], 1), spec.train_lengths[1]))
     if split == "joint":
         present = experts
     elif split.startswith("only_") and split[len("only_") :] in experts:
@@ -412,8 +406,8 @@ def split_input(rng: random.Random, spec: SkillsTaskSpec, split: str) -> str:
     else:
         valid = split_names(spec) + ["length_<L>"]
         raise ValueError(f"unknown split {split!r} for this task (k = {spec.num_experts}); valid: {valid}")
-    shortest = len(present) * (spec.segment_length.min + 2)
-    return sample_input(rng, spec, present, rng.randint(max(spec.length.min, shortest), spec.length.max))
+    shortest = len(present) * (spec.segment_lengths[0] + 2)
+    return sample_input(rng, spec, present, rng.randint(max(spec.train_lengths[0], shortest), spec.train_lengths[1]))
 
 
 def split_inputs(spec: SkillsTaskSpec, split: str, n: int, seed: int) -> list[str]:

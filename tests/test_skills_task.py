@@ -34,7 +34,7 @@ SKILLS = [
 
 
 def make_spec(**overrides) -> SkillsTaskSpec:
-    fields = {"skills": SKILLS, "num_experts": 3, "length": {"min": 1, "max": 24}}
+    fields = {"skills": SKILLS, "num_experts": 3, "train_lengths": (1, 24)}
     fields.update(overrides)
     return SkillsTaskSpec.model_validate(fields)
 
@@ -79,19 +79,24 @@ def test_length_flag_matches_behaviour():
     "overrides, message",
     [
         ({"num_experts": 5}, "at most the number of skills"),
-        ({"length": {"min": 1, "max": 10}}, "cannot hold one segment per expert"),
-        ({"alphabet": "AB[C"}, "also appear in `alphabet`"),
+        ({"train_lengths": (1, 10)}, "cannot hold one segment per expert"),
+        ({"letters": "AB[C"}, "also appear in `letters`"),
         ({"skills": [*SKILLS, {"name": "x", "open": "[", "close": "|", "transform": "reverse"}]}, "distinct across skills"),
         ({"skills": [*SKILLS, {"name": "rev", "open": "/", "close": "|", "transform": "reverse"}]}, "names must be distinct"),
         ({"skills": [{"name": "a", "open": "[", "close": "[", "transform": "reverse"}], "num_experts": 1}, "must differ"),
         ({"skills": [{"name": "a", "open": "[[", "close": "]", "transform": "reverse"}], "num_experts": 1}, "one character"),
         ({"skills": [{"name": "a", "open": "[", "close": "]", "transform": "sort"}], "num_experts": 1}, "unknown transform"),
-        ({"length": {"min": 30, "max": 24}}, "min <= max"),
+        ({"train_lengths": (30, 24)}, "1 <= min <= max"),
+        ({"segment_lengths": (0, 3)}, "1 <= min <= max"),
     ],
 )
 def test_spec_rejects_bad_input(overrides, message):
     with pytest.raises(ValueError, match=message):
         make_spec(**overrides)
+
+
+def test_alphabet_holds_letters_background_and_every_marker_once():
+    assert make_spec().alphabet == "ABCDEFGHIJKLMNOPQRSTUVWXYZ []<>{}()"
 
 
 def test_num_experts_picks_the_first_k_skills():
@@ -172,8 +177,8 @@ def test_sample_input_has_the_length_one_segment_per_skill_and_sizes_in_range():
             assert sorted(s.skill for s in segments) == ["mirror", "rev", "shift", "swap"]
             for segment in segments:
                 content = text[segment.start + 1 : segment.end - 1]
-                assert 1 <= len(content) <= spec.segment_length.max
-                assert set(content) <= set(spec.alphabet)
+                assert 1 <= len(content) <= spec.segment_lengths[1]
+                assert set(content) <= set(spec.letters)
 
 
 def test_sample_input_refuses_a_length_too_short():
@@ -188,7 +193,7 @@ def test_segment_positions_and_lengths_are_data_dependent():
     sizes = {s.end - s.start - 2 for t in texts for s in find_segments(t, spec.skills)}
     orders = {tuple(s.skill for s in find_segments(t, spec.skills)) for t in texts}
     assert len(starts) >= 5
-    assert sizes == set(range(spec.segment_length.min, spec.segment_length.max + 1))
+    assert sizes == set(range(spec.segment_lengths[0], spec.segment_lengths[1] + 1))
     assert len(orders) == 6  # every order of the 3 skills
     touching = sum(
         any(a.end == b.start for a, b in zip(segs, segs[1:]))
@@ -205,7 +210,7 @@ def test_training_inputs_include_markers_of_every_listed_skill_at_the_given_rate
         seen = sum(spec.skill(skill).open in t for t in texts) / len(texts)
         # Markers are dropped only when they would not fit in `length.max`, which lowers the rates a little.
         assert rate - 0.12 < seen <= rate + 0.04, (skill, seen)
-    assert all(spec.length.min <= len(t) <= spec.length.max for t in texts)
+    assert all(spec.train_lengths[0] <= len(t) <= spec.train_lengths[1] for t in texts)
 
 
 # ------------------------------------------------------------------------------ splits
@@ -217,7 +222,7 @@ def test_splits_hold_what_their_names_say():
     experts = ["mirror", "rev", "shift"]
     for text in split_inputs(spec, "joint", 100, seed=0):
         assert sorted(s.skill for s in find_segments(text, spec.skills)) == experts
-        assert len(text) <= spec.length.max
+        assert len(text) <= spec.train_lengths[1]
     for text in split_inputs(spec, "only_shift", 100, seed=0):
         assert [s.skill for s in find_segments(text, spec.skills)] == ["shift"]
     for text in split_inputs(spec, "neither", 100, seed=0):
