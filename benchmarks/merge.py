@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.memory import peak_rss_mib
+from benchmarks.memory import PeakSampler, peak_rss_mib
+
+
+OUT_SHARD_BYTES = 64 * 2**20
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,13 +70,14 @@ def make_checkpoints(args, workdir: Path) -> tuple[int, int]:
 
 
 def child(mode: str, workdir: Path, density: float) -> None:
-    """Run one merge and print `seconds peak_rss_mib import_rss_mib` (this process only)."""
+    """Run one merge; print `seconds peak_rss peak_rss_after_imports peak_anonymous_rss` (MiB, this process)."""
     import mergekit.merge  # noqa: F401 - imported before the clock: both modes pay the same imports
     import transformers  # noqa: F401
 
     import merging  # noqa: F401
 
     imports_rss = peak_rss_mib()
+    sampler = PeakSampler().__enter__()
     start = time.perf_counter()
     if mode == "disk":
         from merging import merge_checkpoints
@@ -88,7 +92,10 @@ def child(mode: str, workdir: Path, density: float) -> None:
             "parameters": {"normalize": True},
             "dtype": "float32",
         }
-        merge_checkpoints(config, workdir / "merged_disk", overwrite=True, options={"quiet": True, "lazy_unpickle": True})
+        # mergekit buffers output tensors until a shard is full (5 GB by default): small shards keep
+        # the peak near the few tensors in flight.
+        options = {"quiet": True, "lazy_unpickle": True, "out_shard_size": OUT_SHARD_BYTES}
+        merge_checkpoints(config, workdir / "merged_disk", overwrite=True, options=options)
     else:
         from merging import MERGEKIT_MODE, merge
         from transformers import AutoModelForCausalLM
@@ -97,7 +104,8 @@ def child(mode: str, workdir: Path, density: float) -> None:
         experts = [AutoModelForCausalLM.from_pretrained(workdir / f"expert_{i}") for i in range(2)]
         merge("ties", base, experts, density=density, out_dir=workdir / "merged_memory", overwrite=True, **MERGEKIT_MODE)
     seconds = time.perf_counter() - start
-    print(seconds, peak_rss_mib(), imports_rss)
+    sampler.__exit__(None, None, None)
+    print(seconds, peak_rss_mib(), imports_rss, sampler.peaks["RssAnon"])
 
 
 def run_child(mode: str, workdir: Path, density: float) -> dict:
@@ -105,8 +113,13 @@ def run_child(mode: str, workdir: Path, density: float) -> dict:
     output = subprocess.run(command, capture_output=True, text=True)
     if output.returncode != 0:
         raise RuntimeError(f"the {mode} merge failed:\n{output.stderr[-3000:]}")
-    seconds, rss, imports_rss = output.stdout.strip().splitlines()[-1].split()
-    return {"seconds": float(seconds), "peak_rss_mb": float(rss), "rss_after_imports_mb": float(imports_rss)}
+    seconds, rss, imports_rss, anonymous = output.stdout.strip().splitlines()[-1].split()
+    return {
+        "seconds": float(seconds),
+        "peak_rss_mb": float(rss),
+        "rss_after_imports_mb": float(imports_rss),
+        "peak_anonymous_rss_mb": float(anonymous),
+    }
 
 
 def main(argv=None) -> int:
@@ -130,11 +143,13 @@ def main(argv=None) -> int:
             (disk[name] - memory[name]).abs().max().item() for name in disk.keys() & memory.keys()
         )
     print(f"TIES merge of 3 checkpoints, {parameters / 1e6:.0f} M parameters each ({results['model_mb']:.0f} MiB on disk)")
-    print(f"{'merge':<8} {'wall s':>8} {'peak RSS MiB':>13} {'RSS / model size':>17} {'RSS after imports':>18}")
+    print(f"{'merge':<8} {'wall s':>8} {'peak RSS MiB':>13} {'RSS / model size':>17} {'RSS after imports':>18} "
+          f"{'peak anonymous RSS':>19} {'anon / model size':>18}")
     for mode in ("disk", "memory"):
         row = results[mode]
         print(f"{mode:<8} {row['seconds']:>8.1f} {row['peak_rss_mb']:>13.0f} {row['rss_over_model_size']:>17.2f} "
-              f"{row['rss_after_imports_mb']:>18.0f}")
+              f"{row['rss_after_imports_mb']:>18.0f} {row['peak_anonymous_rss_mb']:>19.0f} "
+              f"{row['peak_anonymous_rss_mb'] / results['model_mb']:>18.2f}")
     print(f"max |disk − memory| over all tensors: {results['max_abs_difference_disk_vs_memory']:.2e}")
     print(f"target: disk peak RSS ≤ 0.5 × model size: {'met' if results['disk']['rss_over_model_size'] <= 0.5 else 'missed'}")
     out = Path(args.out)
