@@ -23,6 +23,7 @@ from analysis.diagnostics import (
     sign_conflict_mass,
     single_active_error,
     top1_agreement,
+    weighted_median,
     weighted_overlap,
 )
 from analysis.measure import measure_overlap, rollout_batches
@@ -51,5 +52,6 @@ __all__ = [
     "sign_conflict_mass",
     "single_active_error",
     "top1_agreement",
+    "weighted_median",
     "weighted_overlap",
 ]

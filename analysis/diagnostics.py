@@ -196,25 +196,62 @@ def interval_intersections(intervals: torch.Tensor) -> torch.Tensor:
 # 2. Overlap over the vocabulary
 
 
-def centred_deltas(base: torch.Tensor, experts: Experts, floor: float = LOGPROB_FLOOR) -> torch.Tensor:
-    """`δ̃_i = δ_i − median_v δ_i`, with `δ_i = log p_i − log p_b`.
+CENTRES = ("median", "base_weighted_median")
+
+
+def centred_deltas(
+    base: torch.Tensor, experts: Experts, floor: float = LOGPROB_FLOOR, centre: str = "median"
+) -> torch.Tensor:
+    """`δ̃_i = δ_i − c_i`, with `δ_i = log p_i − log p_b` and `c_i` a centre of δ_i over the vocabulary.
 
     Composition is shift-invariant (a constant added to `δ_i` cancels in the normalisation), so
-    only the deviation from a typical token matters. The median, not the mean, is the centre:
-    an expert that moves a few tokens and rescales the rest leaves most tokens at one constant
-    offset, which the median removes exactly while the mean would not. With V even, the lower
-    median is taken (`torch.median`). `-inf` log-probs are clamped to `floor` first.
+    only the deviation from a typical token matters. Two centres:
+
+    * `"median"` (the default, the issue's definition): `c_i = median_v δ_i`, each token counted
+      once. An expert that moves a few tokens and rescales the rest leaves most tokens at one
+      constant offset, which the median removes exactly while the mean would not. With V even,
+      the lower median is taken (`torch.median`).
+    * `"base_weighted_median"`: `c_i` = the smallest δ_i(v) with `Σ_{u: δ_i(u) ≤ δ_i(v)} p_b(u) ≥ 1/2`,
+      the median under the base's probabilities (`weighted_median`). When the base is peaked,
+      the plain median is set by tokens that carry no mass, whose log-probs drift freely in
+      fine-tuning; this centre is set by where the base's mass is, and still removes the
+      background's constant offset exactly when the base puts more than half its mass there.
+
+    `-inf` log-probs are clamped to `floor` first.
 
     Returns:
         `(k, ..., V)` float32.
     """
-    return _centred(_logprobs(base), _stack(experts, base), floor)
+    base_logprobs = _logprobs(base)
+    return _centred(base_logprobs, _stack(experts, base), floor, centre, base_logprobs.exp())
 
 
-def _centred(base: torch.Tensor, experts: torch.Tensor, floor: float = LOGPROB_FLOOR) -> torch.Tensor:
+def weighted_median(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted median over the last axis: the smallest value whose cumulative weight reaches half.
+
+    `m = min{values[v] : Σ_{u: values[u] ≤ values[v]} weights[u] ≥ ½ Σ_u weights[u]}` (the lower
+    weighted median; with equal weights and odd V it is the median).
+
+    Args:
+        values: `(..., V)`; weights: non-negative, broadcastable to `values`.
+
+    Returns:
+        `(..., 1)`.
+    """
+    ordered, order = values.sort(dim=-1)
+    cumulative = weights.expand_as(values).gather(-1, order).cumsum(-1)  # (..., V)
+    index = (cumulative < 0.5 * cumulative[..., -1:]).sum(-1, keepdim=True).clamp(max=values.shape[-1] - 1)
+    return ordered.gather(-1, index)
+
+
+def _centred(base, experts, floor: float = LOGPROB_FLOOR, centre: str = "median", base_probs=None) -> torch.Tensor:
     """`centred_deltas` on normalised log-probs: base `(..., V)`, experts `(k, ..., V)`."""
     deltas = experts.clamp(min=floor) - base.clamp(min=floor)  # (k, ..., V)
-    return deltas - deltas.median(dim=-1, keepdim=True).values
+    if centre == "median":
+        return deltas - deltas.median(dim=-1, keepdim=True).values
+    if centre == "base_weighted_median":
+        return deltas - weighted_median(deltas, base.exp() if base_probs is None else base_probs)
+    raise ValueError(f"`centre` must be one of {list(CENTRES)}, got {centre!r}")
 
 
 def delta_supports(

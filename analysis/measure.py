@@ -166,6 +166,11 @@ def rollout_batches(
 ) -> list[dict[str, torch.Tensor]]:
     """Greedy rollouts of `source` from each prompt, as batches ready for `measure_overlap`.
 
+    A prompt batch holds `input_ids` and `attention_mask` `(B, P)` (left-padded), and optionally
+    `position_ids` `(B, P)` and `generated_position_ids` `(B, ≥ max_new_tokens)` for tasks that
+    place tokens at explicit positions (e.g. position coupling); the rollout batch then carries
+    the full `position_ids` `(B, P + n)`.
+
     The measured positions are those whose distribution produced a generated token: from the
     prompt's last token to the token before the last generated one (EOS included, padding
     after EOS excluded).
@@ -181,8 +186,15 @@ def rollout_batches(
         prompt, prompt_mask = batch["input_ids"], batch.get("attention_mask")
         if prompt_mask is None:
             prompt_mask = torch.ones_like(prompt)
+        positions, generated_positions = batch.get("position_ids"), batch.get("generated_position_ids")
+        extra = {}
+        if positions is not None:
+            extra["position_ids"] = positions
+        if generated_positions is not None:
+            extra["generated_position_ids"] = generated_positions[:, :max_new_tokens]
         sequences = decoder.generate(
-            prompt, prompt_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id
+            prompt, prompt_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            **extra,
         ).cpu()  # (B, P + n)
         prompt_length = prompt.shape[1]
         generated = sequences[:, prompt_length:]  # (B, n)
@@ -196,5 +208,13 @@ def rollout_batches(
         measured = torch.zeros_like(attention, dtype=torch.bool)
         # Column c's distribution produced token c+1: measure c = P−1 … last real generated − 1.
         measured[:, prompt_length - 1 : -1] = real
-        batches.append({"input_ids": sequences, "attention_mask": attention, "measure_mask": measured})
+        rolled = {"input_ids": sequences, "attention_mask": attention, "measure_mask": measured}
+        if positions is not None:
+            n = generated.shape[1]
+            if generated_positions is not None:
+                tail = generated_positions[:, :n].cpu()
+            else:
+                tail = positions[:, -1:].cpu() + 1 + torch.arange(n)
+            rolled["position_ids"] = torch.cat([positions.cpu(), tail], dim=1)  # (B, P + n)
+        batches.append(rolled)
     return batches

@@ -37,13 +37,17 @@ def expert_rows(report: dict) -> list[list]:
                 stats["sequences_active_fraction"],
                 stats["interval_length_mean"],
                 stats["projective_error"],
+                stats["projective_error_active"],
                 stats.get("linearization_error"),
             ]
         )
     return rows
 
 
-EXPERT_HEADER = ["expert", "KL(p_i‖p_b) mean", "median ≤", "active frac.", "seqs active", "interval len.", "projective err.", "lineariz. err."]
+EXPERT_HEADER = [
+    "expert", "KL(p_i‖p_b) mean", "median ≤", "active frac.", "seqs active", "interval len.",
+    "projective err.", "… where active", "lineariz. err.",
+]
 PAIR_HEADER = ["pair", "mass overlap O", "sign conflict", "support Jaccard", "co-active", "interval overlap", "param. cosine", "TIES sign conflict", "trim-mask Jaccard"]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -29,6 +30,9 @@ class OverlapSettings(BaseModel):
     * `reservoir_size`, `top_k`: example positions kept for the report and the tokens shown
       for each; `heatmap_sequences`: sequences whose per-position activity is kept for the plot;
     * `top_tokens`: per expert, how many of the tokens with the largest mean |δ̃| are listed;
+    * `centre`: how each delta is centred over the vocabulary before the overlap
+      (`analysis.diagnostics.centred_deltas`): "median" (the issue's definition) or
+      "base_weighted_median";
     * `seed`: the reservoir's random generator.
     """
 
@@ -41,6 +45,7 @@ class OverlapSettings(BaseModel):
     top_k: int = Field(5, ge=1)
     heatmap_sequences: int = Field(8, ge=0)
     top_tokens: int = Field(10, ge=0)
+    centre: Literal["median", "base_weighted_median"] = "median"
     seed: int = 0
 
     @field_validator("epsilons")
@@ -152,6 +157,18 @@ class OverlapReport:
     reservoir: list[dict]
     extra: dict = field(default_factory=dict)
 
+    def summary(self) -> dict:
+        """`to_dict()` without the bulky parts (examples, heatmap, histograms); top tokens cut to 5."""
+        result = self.to_dict()
+        for key in ("heatmap", "reservoir"):
+            result.pop(key)
+        for stats in result["experts"].values():
+            stats.pop("kl_histogram")
+            stats["top_tokens"] = stats["top_tokens"][:5]
+        if "merge_compose_gap" in result:
+            result["merge_compose_gap"].pop("histogram")
+        return result
+
     def to_dict(self) -> dict:
         result = asdict(self)
         extra = result.pop("extra")
@@ -230,6 +247,7 @@ class OverlapAccumulator:
         self.single_active_count = 0
         self.restricted_sum = torch.zeros(k, dtype=torch.float64)
         self.restricted_max = torch.zeros(k, dtype=torch.float64)
+        self.restricted_active_sum = torch.zeros(k, dtype=torch.float64)
         self.single_active_histogram = LogHistogram()
         # Linear equivalence.
         self.merged_positions = 0
@@ -320,7 +338,7 @@ class OverlapAccumulator:
         intervals = self._update_intervals(activity_grid, mask)  # (k, B, 2)
 
         # 2. Overlap over the vocabulary.
-        centred = dx._centred(base, experts)  # (k, N, V)
+        centred = dx._centred(base, experts, centre=settings.centre, base_probs=base_p)  # (k, N, V)
         supports = dx._supports(centred, base_p, experts_p, settings.epsilon, settings.eta)  # (k, N, V)
         self.abs_delta_sum += centred.abs().double().sum(1).cpu()
         self.support_count += supports.sum(1).cpu()
@@ -342,6 +360,7 @@ class OverlapAccumulator:
         restricted = dx._restricted(experts, experts_p, q, q_p, supports)  # (k, N)
         self.restricted_sum += restricted.double().sum(1).cpu()
         self.restricted_max = torch.maximum(self.restricted_max, restricted.double().amax(1).cpu())
+        self.restricted_active_sum += torch.where(active, restricted, 0.0).double().sum(1).cpu()
 
         # 4. Linear equivalence.
         m = None
@@ -472,6 +491,11 @@ class OverlapAccumulator:
                 "interval_length_mean": float(self.interval_length_sum[index]) / max(int(self.sequences_active[index]), 1),
                 "projective_error": float(self.restricted_sum[index]) / n,
                 "projective_error_max": float(self.restricted_max[index]),
+                # The same, only where the expert is active (a_{i,t} > ε): where its skill acts.
+                "projective_error_active": (
+                    float(self.restricted_active_sum[index]) / int(self.active_count[-1, index])
+                    if int(self.active_count[-1, index]) else None
+                ),
                 "top_tokens": [
                     {
                         "token": self._tokens([token])[0],

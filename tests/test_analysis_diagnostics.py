@@ -259,3 +259,23 @@ def test_bad_arguments_raise_value_errors_naming_them():
         dx.expert_activity(torch.zeros(2, 3), torch.zeros(1, 2, 4))
     with pytest.raises(ValueError, match="`activity`"):
         dx.active_intervals(torch.zeros(2, 3), 0.1)
+
+
+def test_weighted_median_golden_and_base_weighted_centre():
+    values = torch.tensor([[3.0, 1.0, 2.0], [5.0, 4.0, 6.0]])
+    weights = torch.tensor([[0.6, 0.2, 0.2], [1.0, 1.0, 1.0]])
+    # Row 0: sorted 1, 2, 3 with weights 0.2, 0.2, 0.6 → cumulative 0.2, 0.4, 1.0 → 3.
+    # Row 1: equal weights, odd V → the plain median 5.
+    assert dx.weighted_median(values, weights).flatten().tolist() == [3.0, 5.0]
+    torch.testing.assert_close(dx.weighted_median(values[1:], torch.ones(3)), values[1:].median(-1, keepdim=True).values)
+    # A peaked base: 0.9 of its mass on token 0. The expert moves token 1 and its tail drifts
+    # (tokens 2-4 down by 2), so the plain median sits in the drift; the base-weighted one at token 0.
+    base = _log([0.9, 0.04, 0.02, 0.02, 0.02])
+    delta = torch.tensor([0.0, 3.0, -2.0, -2.0, -2.0])
+    expert = torch.log_softmax(base + delta, -1)[None]
+    plain = dx.centred_deltas(base, expert)[0]
+    weighted = dx.centred_deltas(base, expert, centre="base_weighted_median")[0]
+    torch.testing.assert_close(plain, delta + 2.0, atol=1e-5, rtol=0)
+    torch.testing.assert_close(weighted, delta, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="`centre`"):
+        dx.centred_deltas(base, expert, centre="mean")

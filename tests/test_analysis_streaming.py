@@ -50,6 +50,11 @@ def test_pooled_overlap_equals_the_direct_computation_on_all_positions():
     single, eligible = dx.single_active_error(base, experts, composed, activity > 0.1)
     assert 0 < int(eligible.sum()) < 22 and 0 < int((activity > 0.1).sum()) < 44
     assert report["projective_error"]["single_active"] == pytest.approx(float(single[eligible].mean()), rel=1e-5)
+    supports = dx.delta_supports(centred, base, experts, 0.1, 1e-3)
+    restricted = dx.restricted_projective_error(base, experts, composed, supports)  # (k, N)
+    assert report["experts"]["a"]["projective_error"] == pytest.approx(float(restricted[0].mean()), rel=1e-5)
+    active_a = activity[0] > 0.1
+    assert report["experts"]["a"]["projective_error_active"] == pytest.approx(float(restricted[0][active_a].mean()), rel=1e-5)
 
 
 def test_result_does_not_depend_on_chunking():
