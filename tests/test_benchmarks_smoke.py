@@ -18,3 +18,13 @@ def test_merge_benchmark_runs(tmp_path):
     assert merge.main(["--smoke", "--out", str(out), "--workdir", str(tmp_path)]) == 0
     results = json.loads(out.read_text())
     assert {"disk", "memory", "max_abs_difference_disk_vs_memory"} <= set(results)
+
+
+def test_analysis_benchmark_runs(tmp_path):
+    from benchmarks import analysis
+
+    out = tmp_path / "analysis.json"
+    assert analysis.main(["--smoke", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert {"64", "256"} == set(results["tokens"])
+    assert "memory_growth" in results
