@@ -1,0 +1,139 @@
+"""The skills task's results sections: how each combined system fails, and the background noise behind it.
+
+`failure_section(context)` is a `tasks.compare` section (stored as `results["skills_failures"]`):
+
+* for every `compose*` and `merge:*` system, on `joint` and every `length_<L>` split, real
+  greedy decoding (KV-cached, `max_new_tokens` = L + `margin`) summarised by
+  `tasks.skills_failures.failure_summary`: exact match, early / late / missing EOS, and the
+  region of the first error;
+* for the plain composition, teacher-forced on the joint targets, what the experts that do
+  not own a step add there (`background_noise`), averaged per region, with the co-activation
+  rate and the spurious-activity rate at the activity threshold ε.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from analysis import coactivation_rate
+from tasks.formats import IGNORE_INDEX
+from tasks.skills import END, NO_OWNER, joint_target, region_labels
+from tasks.skills_failures import background_noise, failure_summary, mean_by_region, spurious_activity_rate
+from tasks.tokenizer import encode_strings
+
+JOINT = "joint"
+
+
+def analysed_splits(data) -> list:
+    """`joint` and the `length_<L>` splits, in order of length."""
+    sets = [data.test[JOINT]] + [s for name, s in data.test.items() if name.startswith("length_")]
+    return sorted(sets, key=lambda eval_set: eval_set.length)
+
+
+def _targets_and_regions(spec, eval_set, tokenizer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Targets + EOS `(B, L+1)`, their lengths `(B,)`, regions `(B, L+1)` and owners `(B, L+1)`."""
+    targets = [joint_target(source, spec) for source in eval_set.sources]
+    if [t.text for t in targets] != list(eval_set.targets):
+        raise ValueError(f"eval set {eval_set.name!r} does not hold joint targets")
+    ids = encode_strings(tokenizer, [t.text for t in targets])
+    width = max(len(row) for row in ids) + 1
+    target_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
+    regions = torch.full((len(ids), width), END, dtype=torch.long)
+    owners = torch.full((len(ids), width), NO_OWNER, dtype=torch.long)
+    for row, (tokens, target) in enumerate(zip(ids, targets)):
+        target_ids[row, : len(tokens) + 1] = torch.tensor([*tokens, tokenizer.eos_token_id])
+        regions[row, : len(tokens) + 1] = torch.tensor(region_labels(target))
+        owners[row, : len(tokens)] = torch.tensor(target.owners)
+    lengths = torch.tensor([len(row) for row in ids])
+    return target_ids, lengths, regions, owners
+
+
+def greedy_tokens(system, sources: list[list[int]], fmt, tokenizer, max_new_tokens: int, batch_size: int) -> torch.Tensor:
+    """Greedy output tokens `(B, max_new_tokens)` of `system` (pad after its EOS or after it stops)."""
+    rows = []
+    for start in range(0, len(sources), batch_size):
+        prompt = fmt.prompt(sources[start : start + batch_size], max_new_tokens)
+        generated = system.generate(prompt, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        padded = torch.full((generated.shape[0], max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+        padded[:, : generated.shape[1]] = generated
+        rows.append(padded)
+    return torch.cat(rows)
+
+
+def system_failures(system, spec, eval_set, fmt, tokenizer, batch_size: int, margin: int) -> dict:
+    """`failure_summary` of `system`'s real greedy outputs on `eval_set` (joint targets)."""
+    targets, lengths, regions, _ = _targets_and_regions(spec, eval_set, tokenizer)
+    sources = encode_strings(tokenizer, eval_set.sources)
+    generated = greedy_tokens(system, sources, fmt, tokenizer, int(lengths.max()) + margin, batch_size)
+    return failure_summary(generated, targets, lengths, regions, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def composition_noise(composed, spec, eval_set, fmt, tokenizer, batch_size: int, epsilon: float) -> dict:
+    """Teacher-forced background noise of a `ComposedLM` on `eval_set`'s joint targets.
+
+    Returns per-region means of `inactive_activity`, `eos_noise` and `oracle_shift` (see
+    `tasks.skills_failures.background_noise`), the co-activation rate and the spurious-activity
+    rate at `epsilon`, and the mean activity of each expert inside its own segments.
+    """
+    sums: dict[str, list[torch.Tensor]] = {"inactive_activity": [], "eos_noise": [], "oracle_shift": []}
+    all_regions, all_owners, activities = [], [], []
+    targets_all, lengths_all, regions_all, owners_all = _targets_and_regions(spec, eval_set, tokenizer)
+    sources = encode_strings(tokenizer, eval_set.sources)
+    target_ids = encode_strings(tokenizer, list(eval_set.targets))
+    for start in range(0, len(sources), batch_size):
+        stop = start + batch_size
+        batch = fmt.batch(sources[start:stop], target_ids[start:stop])
+        components = composed.component_logprobs(batch.input_ids, batch.attention_mask, batch.position_ids)  # (k+1, B, T, V)
+        labelled = batch.labels != IGNORE_INDEX  # (B, T): L+1 steps per row (the targets, then EOS)
+        steps = int(labelled.sum(-1).max())
+        if not (labelled.sum(-1) == steps).all():
+            raise ValueError(f"eval set {eval_set.name!r} mixes lengths; the noise is measured per length")
+        picked = components[:, labelled].view(components.shape[0], labelled.shape[0], steps, -1)  # (k+1, B, L+1, V)
+        owners = owners_all[start:stop, :steps]
+        regions = regions_all[start:stop, :steps]
+        noise = background_noise(picked, owners, tokenizer.eos_token_id)
+        for key in sums:
+            sums[key].append(noise[key])
+        activities.append(noise["activity"])
+        all_regions.append(regions)
+        all_owners.append(owners)
+    regions = torch.cat(all_regions)
+    owners = torch.cat(all_owners)
+    activity = torch.cat(activities, dim=1)  # (k, B, L+1)
+    result = {key: mean_by_region(torch.cat(values), regions) for key, values in sums.items()}
+    result["coactivation_rate"] = coactivation_rate(activity, epsilon)
+    result["spurious_activity_rate"] = spurious_activity_rate(activity, owners, epsilon)
+    own = {}
+    for index, name in enumerate(composed.expert_names):
+        mask = owners == index
+        own[name] = float(activity[index][mask].mean()) if mask.any() else None
+    result["own_segment_activity"] = own
+    result["epsilon"] = epsilon
+    return result
+
+
+def failure_section(context) -> dict:
+    """`results["skills_failures"]`: failure summaries per combined system and split, and the noise."""
+    config, components, data = context.config, context.components, context.data
+    spec = config.task
+    fmt, tokenizer = components.format, components.tokenizer
+    batch_size = config.evaluation.batch_size
+    splits = analysed_splits(data)
+    systems = {}
+    for name, system in context.systems.items():
+        if name.startswith(("compose", "merge:")):
+            systems[name] = {
+                eval_set.name: system_failures(system, spec, eval_set, fmt, tokenizer, batch_size, spec.failure_margin)
+                for eval_set in splits
+            }
+    noise = {}
+    plain = context.systems.get("compose")
+    if plain is not None:
+        noise = {
+            eval_set.name: composition_noise(
+                plain.composed, spec, eval_set, fmt, tokenizer, batch_size, spec.activity_epsilon
+            )
+            for eval_set in splits
+        }
+    return {"num_experts": spec.num_experts, "systems": systems, "noise": noise}

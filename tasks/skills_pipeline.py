@@ -1,0 +1,298 @@
+"""The sequential-skills family as a task type of `mergecompose compare` (`task: {type: skills, ...}`).
+
+`SkillsTaskSettings` is the `task:` block of a compare config. It gives the pipeline what the
+letters task gives it, from the functions of `tasks.skills`:
+
+* `alphabet`: the tokenizer's characters (letters, background, every marker);
+* `joint` / `trained_skills()`: the k composed experts (`num_experts`), the only ones trained;
+* `data_recipe()` / `skill_recipe(name)`: what shapes a checkpoint's training data, for its hash.
+  It leaves out `num_experts`, so the base and expert i are the same models for every k: with
+  a shared `checkpoints/` folder, the k = 6 run reuses what the k = 2 run trained;
+* `training_strings(...)`: training batches (held-out strings never appear);
+* `eval_data(...)`: the test and validation splits and the per-length curves.
+
+Splits (every one scored against the joint target):
+
+    joint            one segment of each of the k experts, at the main length
+    only_<skill>     one segment of that skill only
+    neither          plain text, no marker
+    length_<L>       joint inputs of exactly L characters, for each L beyond training
+
+Curves (`by_length`, each system on its own target): `copy` (the base, on training-like
+inputs), `skill:<name>` (expert `name`, on inputs holding its marker pair and others at their
+training rates) and `joint`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
+
+import torch
+from pydantic import Field, model_validator
+
+from tasks.letters import is_held_out
+from tasks.skills import (
+    SkillsTaskSpec,
+    get_transform,
+    joint_target,
+    length_split,
+    max_segments,
+    rewrite,
+    sample_input,
+    sample_training_input,
+    single_split,
+)
+
+JOINT, NEITHER = "joint", "neither"
+_NOT_IN_RECIPE = ("num_experts", "expert_noise", "expert_noise_seed", "activity_epsilon", "failure_margin")
+
+
+class SkillsTaskSettings(SkillsTaskSpec):
+    """`task:` of a compare config for the sequential-skills family; see `tasks.skills.SkillsTaskSpec`."""
+
+    type: Literal["skills"] = "skills"
+    formulation: Literal["seq2seq"] = "seq2seq"
+    # The imperfect-expert variant: Gaussian noise of `expert_noise` × the RMS of each tensor of
+    # the task vector is added to every full expert (`noisy_expert`), so that it deviates from the
+    # base outside its skill too. 0 leaves the experts as trained.
+    expert_noise: float = Field(0.0, ge=0)
+    expert_noise_seed: int = 0
+    # Analysis: the activity threshold ε (nats of KL(p_i ‖ p_b)), and how many tokens past the
+    # target greedy decoding may run (to tell a late EOS from a missing one).
+    activity_epsilon: float = Field(0.1, ge=0)
+    failure_margin: int = Field(8, ge=1)
+
+    @model_validator(mode="after")
+    def _length_preserving(self):
+        # The coupled position scheme gives y_k the position of x_k: a target must be as long as its input.
+        changing = [s.name for s in self.skills if not get_transform(s.transform).preserves_length]
+        if changing:
+            raise ValueError(
+                f"skills {changing} change the length of their segment; the seq2seq format with coupled "
+                "positions needs length-preserving transforms (reverse, shift, mirror, swap_pairs, rotate)"
+            )
+        return self
+
+    @property
+    def joint(self) -> list[str]:
+        return [skill.name for skill in self.experts]
+
+    def trained_skills(self) -> list[str]:
+        return self.joint
+
+    def data_recipe(self) -> dict:
+        """Everything that shapes the training data; not `num_experts` (checkpoints are shared across k) nor the analysis."""
+        return self.model_dump(mode="json", exclude=set(_NOT_IN_RECIPE))
+
+    def skill_recipe(self, name: str) -> dict:
+        return {"skill": self.skill(name).model_dump(mode="json")}
+
+    def training_strings(self, skill: str | None, tokenizer, sequence_format, settings, seed: int) -> "SkillsTrainingStrings":
+        """Training batches for the base (`skill=None`, copy) or expert `skill`."""
+        return SkillsTrainingStrings(self, skill, tokenizer, sequence_format, settings, seed)
+
+    def eval_data(self, settings, main_length: int, train_max: int):
+        return build_skills_eval_data(self, settings, main_length, train_max)
+
+    def expert_variant(self, base, expert, name: str):
+        """The expert the systems use: as trained, or with noise on its task vector (`expert_noise`)."""
+        if self.expert_noise == 0:
+            return expert
+        index = [skill.name for skill in self.skills].index(name)
+        return noisy_expert(base, expert, self.expert_noise, seed=self.expert_noise_seed * 1000 + index)
+
+    def sections(self) -> dict:
+        """Results sections `mergecompose compare` adds for this task."""
+        from tasks.skills_analysis import failure_section
+
+        return {"skills_failures": failure_section}
+
+    def check_lengths(self, main_length: int, lengths: Sequence[int]) -> None:
+        """Every joint split and curve must hold one segment per expert."""
+        shortest = self.num_experts * (self.segment_lengths[0] + 2)
+        short = [length for length in [main_length, *lengths] if length < shortest]
+        if short:
+            raise ValueError(
+                f"evaluation lengths {sorted(set(short))} cannot hold one segment of each of the {self.num_experts} "
+                f"experts (need at least {shortest} characters); raise `evaluation.length` / `evaluation.lengths`"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def training_like_input(rng: random.Random, spec: SkillsTaskSpec, own: str | None, length: int | None = None) -> str:
+    """An input as training draws them (each skill's pair with `marker_rate`, `own`'s always when given).
+
+    With `length`, exactly that many characters; otherwise a length from `train_lengths`.
+    """
+    present = [s.name for s in spec.skills if s.name == own or rng.random() < spec.marker_rate]
+    limit = max_segments(spec, length if length is not None else spec.train_lengths[1])
+    while len(present) > limit:
+        present.remove(rng.choice([name for name in present if name != own]))
+    if length is None:
+        shortest = len(present) * (spec.segment_lengths[0] + 2)
+        length = rng.randint(max(spec.train_lengths[0], shortest), spec.train_lengths[1])
+    return sample_input(rng, spec, present, length)
+
+
+def _split_input_at(rng: random.Random, spec: SkillsTaskSpec, split: str, length: int) -> str:
+    """An input of a main split (`joint`, `only_<skill>`, `neither`) at exactly `length` characters."""
+    if split == JOINT:
+        return sample_input(rng, spec, [s.name for s in spec.experts], length)
+    if split == NEITHER:
+        return sample_input(rng, spec, [], length)
+    if split.startswith("only_"):
+        return sample_input(rng, spec, [spec.skill(split[len("only_") :]).name], length)
+    raise ValueError(f"unknown main split {split!r}; valid: 'joint', 'only_<skill>', 'neither'")
+
+
+def distinct_held_out(draw: Callable[[], str], count: int, exclude: set[str], what: str, max_draws: int = 1_000_000) -> list[str]:
+    """`count` distinct strings from `draw` that are held out (`tasks.letters.is_held_out`) and not in `exclude`."""
+    found: dict[str, None] = {}
+    draws = 0
+    while len(found) < count:
+        if draws >= max_draws:
+            raise ValueError(f"found only {len(found)} of {count} distinct held-out strings for {what} in {draws} draws")
+        text = draw()
+        draws += 1
+        if text not in found and text not in exclude and is_held_out(text):
+            found[text] = None
+    return list(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training batches
+
+
+class SkillsTrainingStrings:
+    """Training batches of (input, target) pairs for the base (copy) or one expert; held-out strings never appear.
+
+    With `settings.steps`: fresh inputs every step. With `settings.epochs` and
+    `settings.num_examples`: one fixed set, reshuffled every epoch. Seeded.
+    """
+
+    def __init__(self, spec: SkillsTaskSpec, skill: str | None, tokenizer, sequence_format, settings, seed: int):
+        if skill is not None:
+            spec.skill(skill)  # raises on an unknown name
+        self.spec = spec
+        self.skill = skill
+        self.tokenizer = tokenizer
+        self.format = sequence_format
+        self.settings = settings
+        self.rng = random.Random(seed)
+
+    def _draw(self) -> str:
+        while True:
+            text = sample_training_input(self.rng, self.spec, own=self.skill)
+            if not is_held_out(text):
+                return text
+
+    def _batch(self, texts: list[str]):
+        from tasks.tokenizer import encode_strings
+
+        applied = [] if self.skill is None else [self.skill]
+        sources = encode_strings(self.tokenizer, texts)
+        targets = encode_strings(self.tokenizer, [rewrite(text, self.spec, applied).text for text in texts])
+        return self.format.batch(sources, targets, rng=self.rng)
+
+    def __iter__(self) -> Iterator:
+        size = self.settings.batch_size
+        if self.settings.steps is not None:
+            for _ in range(self.settings.steps):
+                yield self._batch([self._draw() for _ in range(size)])
+            return
+        fixed = [self._draw() for _ in range(self.settings.num_examples)]
+        for _ in range(self.settings.epochs):
+            order = list(range(len(fixed)))
+            self.rng.shuffle(order)
+            for start in range(0, len(order), size):
+                yield self._batch([fixed[index] for index in order[start : start + size]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation data
+
+
+def build_skills_eval_data(spec: SkillsTaskSettings, settings, main_length: int, train_max: int):
+    """Every evaluation set, from held-out strings only, seeded by `settings.seed` (see the module doc).
+
+    Test: `joint` (`joint_size`), each `only_<skill>` and `neither` (`split_size`), all of exactly
+    `main_length` characters, and `length_L` (`length_size`) for each L in `settings.lengths`
+    beyond `train_max`. Validation: the main splits again (`validation_size` each), disjoint
+    from the test strings. Curves: `copy`, `skill:<name>` and `joint` at every L in `settings.lengths`.
+    """
+    from tasks.evaluate import EvalData, EvalSet
+
+    spec.check_lengths(main_length, settings.lengths)
+    rng = random.Random(settings.seed)
+    used: set[str] = set()
+
+    def draw(name: str, make: Callable[[], str], count: int, applied: Sequence[str] | None, length: int):
+        sources = distinct_held_out(make, count, used, name)
+        used.update(sources)
+        if applied is None:
+            targets = [joint_target(text, spec).text for text in sources]
+        else:
+            targets = [rewrite(text, spec, applied).text for text in sources]
+        return EvalSet(name, length, tuple(sources), tuple(targets))
+
+    def split_set(name: str, split: str, length: int, count: int):
+        return draw(name, lambda: _split_input_at(rng, spec, split, length), count, None, length)
+
+    main = [JOINT, *(single_split(name) for name in spec.joint), NEITHER]
+    test = {JOINT: split_set(JOINT, JOINT, main_length, settings.joint_size)}
+    for split in main[1:]:
+        test[split] = split_set(split, split, main_length, settings.split_size)
+    for length in settings.lengths:
+        if length > train_max:
+            test[length_split(length)] = split_set(length_split(length), JOINT, length, settings.length_size)
+    validation = {split: split_set(split, split, main_length, settings.validation_size) for split in main}
+
+    curves: dict[str, dict] = {"copy": {}, JOINT: {}, **{f"skill:{name}": {} for name in spec.joint}}
+    for length in settings.lengths:
+        curves["copy"][length] = draw(
+            f"copy@{length}", lambda: training_like_input(rng, spec, None, length), settings.length_size, [], length
+        )
+        for name in spec.joint:
+            curves[f"skill:{name}"][length] = draw(
+                f"skill:{name}@{length}",
+                lambda name=name: training_like_input(rng, spec, name, length),
+                settings.length_size,
+                [name],
+                length,
+            )
+        if length == main_length:
+            curves[JOINT][length] = test[JOINT]
+        elif length_split(length) in test:
+            curves[JOINT][length] = test[length_split(length)]
+        else:
+            curves[JOINT][length] = split_set(f"joint@{length}", JOINT, length, settings.length_size)
+    return EvalData(test, validation, curves)
+
+
+# ---------------------------------------------------------------------------------------------
+# Imperfect experts
+
+
+def noisy_expert(base: torch.nn.Module, expert: torch.nn.Module, scale: float, seed: int) -> torch.nn.Module:
+    """`θ_b + τ + ε`, with `τ = θ_expert − θ_b` and `ε[name] ~ N(0, (scale · rms(τ[name]))²)` per tensor.
+
+    The noise is proportional to how far fine-tuning moved each tensor, so it models an expert
+    whose update is imprecise everywhere: it now deviates from the base outside its skill too.
+    Returns a new model; neither input is modified.
+    """
+    from merging import TaskVector
+
+    if not scale >= 0:
+        raise ValueError(f"`scale` must be >= 0, got {scale}")
+    task_vector = TaskVector.from_models(base, expert)
+    generator = torch.Generator().manual_seed(seed)
+    noise = {}
+    for name, tensor in sorted(task_vector.tensors.items()):
+        rms = tensor.float().pow(2).mean().sqrt()
+        noise[name] = scale * rms * torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+    return (task_vector + TaskVector(noise)).apply_to(base).eval()
