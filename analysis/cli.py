@@ -40,6 +40,17 @@ def add_commands(subparsers) -> None:
     overlap.add_argument("--quiet", action="store_true", help="no progress bars")
     overlap.set_defaults(func=run_overlap_command)
 
+    sweep = subparsers.add_parser(
+        "overlap-sweep",
+        help="train letter experts for many rule pairs; correlate output-space overlap with composition and merge error",
+    )
+    sweep.add_argument("config", help="a sweep YAML (analysis.sweep.SweepConfig), e.g. configs/sweep_letters.yaml")
+    sweep.add_argument("--out", required=True, help="run folder: sweep.json, sweep.md, plots, cached checkpoints")
+    sweep.add_argument("--overwrite", action="store_true", help="replace the results of another config in --out")
+    sweep.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    sweep.add_argument("--quiet", action="store_true", help="no progress bars")
+    sweep.set_defaults(func=run_sweep_command)
+
 
 _SETTINGS_FLAGS = ("epsilon", "eta", "seed")
 _RUN_FLAGS = (
@@ -79,4 +90,44 @@ def run_overlap_command(args) -> int:
     results = run_overlap(config, progress=not args.quiet)
     print(terminal_table(results))
     print(f"\nwrote {config.out}/overlap.json, overlap.md, config.yaml and plots")
+    return 0
+
+
+def load_sweep_config(path: str):
+    """Read a sweep YAML with `yaml.safe_load` and validate it as `SweepConfig`."""
+    from analysis.sweep import SweepConfig
+
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"sweep config {path!r} does not exist")
+    data = yaml.safe_load(file.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return SweepConfig.model_validate(data)
+
+
+def run_sweep_command(args) -> int:
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    from analysis.report import _number
+    from analysis.sweep import run_sweep
+
+    if args.threads < 1:
+        raise ValueError(f"`--threads` must be >= 1, got {args.threads}")
+    config = load_sweep_config(args.config)
+    transformers_logging.disable_progress_bar()
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        results = run_sweep(config, args.out, overwrite=args.overwrite, progress=not args.quiet)
+    finally:
+        torch.set_num_threads(previous)
+    keys = ["pair", "mass_overlap", "mass_overlap_weighted", "sign_conflict", "linearization_error", "compose_accuracy", "merge_accuracy", "merge_method"]
+    rows = [keys] + [[_number(row[key]) for key in keys] for row in results["rows"]]
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(keys))]
+    print("\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) for row in rows))
+    for name, correlation in results["statistics"]["spearman"].items():
+        print(f"Spearman {name}: rho={_number(correlation['rho'])} p={_number(correlation['p_value'])} n={correlation['n']}")
+    print(f"\nwrote {args.out}/sweep.json, sweep.md, overlap_vs_error.png, config.yaml")
     return 0

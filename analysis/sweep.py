@@ -1,0 +1,355 @@
+"""The claim the toolkit exists to test: does output-space overlap predict when composition fails?
+
+A sweep over pairs of letter-replacement experts whose rules overlap from not at all (`ab` + `cd`)
+to fully (`ab` + `ac`). The base and every expert are trained once by `tasks` (cached by hash
+under `DIR/checkpoints`); for each pair:
+
+* the diagnostics (`analysis.letters.measure_letter_pair`), teacher-forced on held-out strings
+  where both skills are active, with the median centre and the base-weighted median centre;
+* the composed model's joint-task accuracy, by real greedy decoding: an output is correct when
+  it has the right length and every character is one the pair allows (the joint target; where
+  the two maps conflict, either letter);
+* the best merge's accuracy: every (method, λ, density) of `merges` is tried on a validation
+  set of the pair's strings; the best one is scored on the test strings.
+
+Across pairs: the Spearman correlation of overlap with composition error (and with merge
+error), a scatter plot, and the 2×2 table of overlap low/high × linearization error low/high
+against composition and merge success. The pair's linearization error is its merge-vs-compose
+gap `KL(q ‖ m)` at λ = 1: the deviation from `z(θ_b+τ_a+τ_b) = z_b + Δz_a + Δz_b`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from tqdm.auto import tqdm
+
+from analysis.letters import measure_letter_pair, pair_replacements, pair_strings
+from analysis.streaming import OverlapSettings
+from analysis.sweep_stats import plot_overlap_against_error, spearman, two_by_two
+
+
+class SweepMergeGrid(BaseModel):
+    """Candidate hyperparameters of one merge method (every combination is tried on validation)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lam: list[float] = Field(default_factory=lambda: [1.0])
+    density: list[float] | None = None
+
+    def candidates(self) -> list[dict]:
+        points = [{"lam": lam} for lam in self.lam]
+        if self.density is not None:
+            points = [{**point, "density": density} for point in points for density in self.density]
+        return points
+
+
+def _default_merges() -> dict[str, SweepMergeGrid]:
+    return {
+        "task_arithmetic": SweepMergeGrid(lam=[0.5, 0.75, 1.0, 1.25]),
+        "ties": SweepMergeGrid(lam=[0.75, 1.0, 1.25, 1.5], density=[0.2, 0.5]),
+    }
+
+
+class SweepConfig(BaseModel):
+    """An overlap sweep on the letter task.
+
+    * `compare`: a `mergecompose compare` YAML (e.g. configs/letters.yaml) giving the task
+      formulation, model, positions and training recipe; its skills are replaced by `skills`,
+      LoRA training is dropped (the sweep uses full fine-tunes).
+    * `skills`: name -> {source: replacement}; `pairs`: the expert pairs, by skill name.
+    * `test_strings`, `validation_strings`: held-out strings per pair (both skills active).
+    * `success_threshold`: a system succeeds on a pair when its joint accuracy is ≥ this.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "overlap_sweep"
+    compare: str
+    skills: dict[str, dict[str, str]]
+    pairs: list[tuple[str, str]] = Field(min_length=1)
+    test_strings: int = Field(300, ge=1)
+    validation_strings: int = Field(100, ge=1)
+    merges: dict[str, SweepMergeGrid] = Field(default_factory=_default_merges)
+    success_threshold: float = Field(0.9, ge=0, le=1)
+    settings: OverlapSettings = Field(default_factory=OverlapSettings)
+    seed: int = 0
+
+    @field_validator("merges")
+    @classmethod
+    def _known_methods(cls, value):
+        unknown = sorted(set(value) - {"task_arithmetic", "ties", "dare_ties", "linear"})
+        if unknown or not value:
+            raise ValueError(f"`merges` must name methods among task_arithmetic, ties, dare_ties, linear; got {sorted(value)}")
+        return value
+
+    @model_validator(mode="after")
+    def _pairs_name_skills(self):
+        for a, b in self.pairs:
+            for name in (a, b):
+                if name not in self.skills:
+                    raise ValueError(f"pair ({a!r}, {b!r}) names skill {name!r}, which `skills` does not define; skills: {sorted(self.skills)}")
+            if a == b:
+                raise ValueError(f"pair ({a!r}, {b!r}) repeats one skill; give two skills (they may share a map)")
+        return self
+
+    def compare_config(self):
+        """The `tasks` config that trains the base and every skill (validated by `tasks.config`)."""
+        from tasks.config import CompareConfig
+
+        path = Path(self.compare)
+        if not path.is_file():
+            raise ValueError(f"`compare` must be an existing compare YAML file, got {self.compare!r}")
+        data = yaml.safe_load(path.read_text())
+        data["task"] = {**data.get("task", {}), "skills": self.skills, "joint": list(self._compatible_pair())}
+        data["training"]["experts"] = {k: v for k, v in data["training"]["experts"].items() if k != "lora"}
+        data["merges"] = {}
+        return CompareConfig.model_validate(data)
+
+    def _compatible_pair(self) -> tuple[str, str]:
+        # tasks' LetterTask needs a non-conflicting joint pair; it only shapes its own splits.
+        for a, b in self.pairs:
+            if not pair_replacements(self.skills[a], self.skills[b])[1]:
+                return a, b
+        raise ValueError("`pairs` must include at least one pair whose maps do not conflict")
+
+
+def allowed_outputs(text: str, replace_a: dict[str, str], replace_b: dict[str, str]) -> list[set[str]]:
+    """Per character of `text`, the output letters the pair allows: the joint target, either letter on a conflict."""
+    prefix_map, conflicts = pair_replacements(replace_a, replace_b)
+    return [conflicts.get(c, {prefix_map.get(c, c)}) for c in text]
+
+
+def joint_accuracy(outputs: list[str], sources: list[str], replace_a: dict[str, str], replace_b: dict[str, str]) -> float:
+    """Share of outputs of the right length whose every character is allowed (`allowed_outputs`)."""
+    correct = 0
+    for output, text in zip(outputs, sources, strict=True):
+        allowed = allowed_outputs(text, replace_a, replace_b)
+        correct += len(output) == len(text) and all(c in ok for c, ok in zip(output, allowed))
+    return correct / len(sources)
+
+
+def _greedy(system, sources, fmt, tokenizer, batch_size) -> list[str]:
+    from tasks.evaluate import EvalSet, greedy_outputs
+
+    eval_set = EvalSet("pair", len(sources[0]), tuple(sources), tuple(sources))
+    return greedy_outputs(system, eval_set, fmt, tokenizer, batch_size)
+
+
+def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool = False, progress: bool = True) -> dict:
+    """Train (or load) every expert, measure every pair, write sweep.json, sweep.md, overlap_vs_error.png, config.yaml.
+
+    `out_dir/checkpoints` is kept between runs (reused by hash). Results of another config in
+    `out_dir` are refused unless `overwrite`.
+    """
+    from merging import merge
+    from tasks.components import prepare_components
+    from tasks.config import fingerprint
+    from tasks.evaluate import ComposedSystem, ModelSystem
+
+    from composition import ComposedLM
+
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    compare = config.compare_config()
+    if compare.task.formulation != "seq2seq":
+        raise ValueError(f"the sweep decodes greedily and needs the seq2seq formulation, got {compare.task.formulation!r}")
+    config_hash = fingerprint(config.model_dump(mode="json"), compare)
+    results_path = out_dir / "sweep.json"
+    if results_path.is_file() and not overwrite:
+        previous = json.loads(results_path.read_text()).get("config_hash")
+        if previous != config_hash:
+            raise FileExistsError(f"{out_dir} holds a sweep of another config (hash {previous}); pass overwrite=True")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    components = prepare_components(compare, out_dir, progress)
+    task = compare.task.letter_task()
+    fmt, tokenizer = components.format, components.tokenizer
+    batch_size, length = compare.evaluation.batch_size, compare.eval_length
+    base = components.load_base()
+    experts = {name: components.load_expert(name) for name in sorted({n for pair in config.pairs for n in pair})}
+
+    rows, pairs = [], {}
+    for index, (name_a, name_b) in enumerate(tqdm(config.pairs, desc="pairs", disable=not progress)):
+        replace_a, replace_b = config.skills[name_a], config.skills[name_b]
+        seed = config.seed + 1000 * index
+        test = pair_strings(task, name_a, name_b, length, config.test_strings, seed)
+        validation = pair_strings(task, name_a, name_b, length, config.validation_strings, seed + 1, exclude=test)
+        pair_experts = {name_a: experts[name_a], name_b: experts[name_b]}
+
+        diagnostics = {
+            centre: measure_letter_pair(
+                base, pair_experts, config.skills, fmt, tokenizer, test,
+                settings=config.settings.model_copy(update={"centre": centre}), batch_size=batch_size,
+                rollouts=centre == config.settings.centre,
+            )
+            for centre in ("median", "base_weighted_median")
+        }
+        composed = ComposedLM(base, [experts[name_a], experts[name_b]])
+        compose_accuracy = joint_accuracy(_greedy(ComposedSystem("compose", composed), test, fmt, tokenizer, batch_size), test, replace_a, replace_b)
+        own = {
+            name: joint_accuracy(
+                _greedy(ModelSystem(name, experts[name]), test, fmt, tokenizer, batch_size), test, rule, rule
+            )
+            for name, rule in ((name_a, replace_a), (name_b, replace_b))
+        }
+
+        candidates = []
+        for method, grid in config.merges.items():
+            for params in grid.candidates():
+                merged = copy.deepcopy(base)
+                merged.load_state_dict(merge(method, base, [experts[name_a], experts[name_b]], progress=False, **params))
+                outputs = _greedy(ModelSystem(method, merged), validation, fmt, tokenizer, batch_size)
+                candidates.append({"method": method, **params, "validation": joint_accuracy(outputs, validation, replace_a, replace_b), "model": merged})
+        best = max(candidates, key=lambda c: c["validation"])  # first one on ties
+        merge_accuracy = joint_accuracy(_greedy(ModelSystem("merge", best["model"]), test, fmt, tokenizer, batch_size), test, replace_a, replace_b)
+
+        key = f"{name_a}+{name_b}"
+        pairs[key] = {
+            "skills": {name_a: replace_a, name_b: replace_b},
+            "compose_accuracy": compose_accuracy,
+            "merge_accuracy": merge_accuracy,
+            "merge_chosen": {k: v for k, v in best.items() if k != "model"},
+            "merge_validation": [{k: v for k, v in c.items() if k != "model"} for c in candidates],
+            "expert_own_skill_accuracy": own,
+            "diagnostics": diagnostics,
+        }
+        rows.append(_row(key, name_a, name_b, pairs[key]))
+
+    results = {
+        "config": config.model_dump(mode="json"),
+        "config_hash": config_hash,
+        "compare_config": compare.model_dump(mode="json"),
+        "rows": rows,
+        "pairs": pairs,
+        "statistics": _statistics(rows, config.success_threshold),
+        "training": components.training,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    _write(out_dir, results, config)
+    return results
+
+
+def _row(key: str, name_a: str, name_b: str, record: dict) -> dict:
+    """One flat row per pair: the measures the statistics use."""
+    row = {"pair": key, "conflict": bool(record["diagnostics"]["median"]["conflicting_letters"])}
+    for centre, suffix in (("median", ""), ("base_weighted_median", "_weighted")):
+        report = record["diagnostics"][centre]["teacher_forced"]
+        pair = report["pairs"][f"{name_a}|{name_b}"]
+        row[f"mass_overlap{suffix}"] = pair["mass_overlap"]
+        row[f"sign_conflict{suffix}"] = pair["sign_conflict"]
+        row[f"support_jaccard{suffix}"] = pair["support_jaccard"]
+    report = record["diagnostics"]["median"]["teacher_forced"]
+    pair = report["pairs"][f"{name_a}|{name_b}"]
+    row.update(
+        coactivation_rate=report["coactivation_rate"],
+        projective_error=report["projective_error"]["single_active"],
+        projective_error_active=max(
+            (e["projective_error_active"] or 0.0) for e in report["experts"].values()
+        ),
+        linearization_error=report["merge_compose_gap"]["kl_mean"],
+        top1_agreement=report["merge_compose_gap"]["top1_agreement"],
+        interaction_residual_relative=report["merge_compose_gap"].get("interaction_residual_relative"),
+        parameter_cosine=pair["parameter"]["cosine"],
+        ties_sign_conflict=pair["parameter"]["ties_sign_conflict"],
+        trimmed_mask_jaccard=pair["parameter"]["trimmed_mask_jaccard"],
+        compose_accuracy=record["compose_accuracy"],
+        merge_accuracy=record["merge_accuracy"],
+        compose_error=1 - record["compose_accuracy"],
+        merge_error=1 - record["merge_accuracy"],
+        merge_method=record["merge_chosen"]["method"],
+        experts_own_min=min(record["expert_own_skill_accuracy"].values()),
+    )
+    return row
+
+
+def _statistics(rows: list[dict], success_threshold: float) -> dict:
+    correlations = {
+        f"{x} vs {y}": spearman(rows, x, y)
+        for x, y in [
+            ("mass_overlap", "compose_error"),
+            ("mass_overlap_weighted", "compose_error"),
+            ("sign_conflict", "compose_error"),
+            ("coactivation_rate", "compose_error"),
+            ("projective_error", "compose_error"),
+            ("mass_overlap", "merge_error"),
+            ("mass_overlap_weighted", "merge_error"),
+            ("linearization_error", "merge_error"),
+            ("trimmed_mask_jaccard", "mass_overlap"),
+            ("parameter_cosine", "mass_overlap"),
+            ("ties_sign_conflict", "sign_conflict"),
+        ]
+    }
+    return {
+        "spearman": correlations,
+        "two_by_two": two_by_two(rows, "mass_overlap", "linearization_error", "compose_accuracy", "merge_accuracy", success_threshold),
+        "two_by_two_weighted": two_by_two(
+            rows, "mass_overlap_weighted", "linearization_error", "compose_accuracy", "merge_accuracy", success_threshold
+        ),
+    }
+
+
+def _write(out_dir: Path, results: dict, config: SweepConfig) -> None:
+    from analysis.report import json_safe
+
+    files = {
+        "sweep.json": json.dumps(json_safe(results), indent=1, allow_nan=False),
+        "sweep.md": sweep_markdown(results),
+        "config.yaml": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
+    }
+    for name, text in files.items():
+        temporary = out_dir / f".{name}.tmp"
+        temporary.write_text(text)
+        os.replace(temporary, out_dir / name)
+    for x_key, file in (("mass_overlap", "overlap_vs_error.png"), ("mass_overlap_weighted", "overlap_weighted_vs_error.png")):
+        temporary = out_dir / f".{file}.tmp.png"
+        rho = results["statistics"]["spearman"][f"{x_key} vs compose_error"]["rho"]
+        plot_overlap_against_error(
+            results["rows"], x_key, {"composition": "compose_error", "best merge": "merge_error"}, temporary,
+            f"{x_key} against joint-task error (Spearman ρ with composition error: {rho if rho is None else round(rho, 3)})",
+        )
+        os.replace(temporary, out_dir / file)
+
+
+def sweep_markdown(results: dict) -> str:
+    """sweep.md: the per-pair table, the correlations and the 2×2 tables."""
+    from analysis.report import _number, _table
+
+    columns = [
+        ("pair", "pair"), ("conflict", "conflict"), ("O (median)", "mass_overlap"), ("O (weighted)", "mass_overlap_weighted"),
+        ("sign conflict", "sign_conflict"), ("co-active", "coactivation_rate"), ("proj. err.", "projective_error"),
+        ("KL(q‖m)", "linearization_error"), ("cos τ", "parameter_cosine"), ("TIES conflict", "ties_sign_conflict"),
+        ("mask Jaccard", "trimmed_mask_jaccard"), ("experts own", "experts_own_min"), ("compose acc.", "compose_accuracy"),
+        ("merge acc.", "merge_accuracy"), ("merge", "merge_method"),
+    ]
+    lines = [f"# Overlap sweep: {results['config']['name']}", "", f"{len(results['rows'])} pairs; {results['seconds']} s.", ""]
+    lines += _table([c for c, _ in columns], [[row[key] for _, key in columns] for row in results["rows"]])
+    lines += ["", "## Spearman correlations", ""]
+    lines += _table(
+        ["x vs y", "ρ", "p", "n"],
+        [[name, c["rho"], c["p_value"], c["n"]] for name, c in results["statistics"]["spearman"].items()],
+    )
+    for key, title in (("two_by_two", "median centre"), ("two_by_two_weighted", "base-weighted median centre")):
+        table = results["statistics"][key]
+        lines += [
+            "",
+            f"## 2×2: overlap ({title}) × linearization error KL(q‖m), against success (accuracy ≥ {table['success_threshold']})",
+            "",
+            f"Splits at the medians: overlap {_number(table['overlap_split'])}, linearization {_number(table['linearization_split'])}.",
+            "",
+        ]
+        lines += _table(
+            ["cell", "n", "compose success", "merge success", "compose acc. mean", "merge acc. mean", "pairs"],
+            [
+                [cell, c["n"], c["compose_success"], c["merge_success"], c["compose_accuracy_mean"], c["merge_accuracy_mean"], ", ".join(c["pairs"])]
+                for cell, c in table["cells"].items()
+            ],
+        )
+    lines.append("")
+    return "\n".join(lines)
