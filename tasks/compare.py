@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import yaml
 from tqdm.auto import tqdm
 
@@ -69,15 +70,27 @@ def run_compare(
     progress: bool = True,
     sections: Mapping[str, Section] | None = None,
     echo: Callable[[str], None] | None = print,
+    threads: int | None = 1,
 ) -> dict:
     """Run the whole comparison and write `results.json`, `results.md`, `length.png`, `config.yaml` to `out_dir`.
 
     `out_dir` keeps its `checkpoints/` between runs (reused by hash). A folder that holds the
     results of another config, or that is not a compare folder, is refused unless `overwrite`.
+    `threads`: torch's intra-op threads during the run (restored after); the models are so
+    small that one thread is fastest, and several are much slower on a loaded machine.
     Returns the results dict (the content of results.json).
     """
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _run(config, Path(out_dir), overwrite, progress, sections, echo)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
     started = time.perf_counter()
-    out_dir = Path(out_dir)
     config_hash = fingerprint(config)
     _check_run_dir(out_dir, config_hash, overwrite)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -96,7 +109,7 @@ def run_compare(
     systems.update(_compositions(config, components))
     for name in [n for n in systems if n.startswith("compose")]:
         curve_of[name] = JOINT
-    merges = _select_merges(config, components, data, progress)
+    merges = _select_merges(config, components, data, out_dir / "checkpoints", progress)
     for method, record in merges.items():
         systems[f"merge:{method}"] = ModelSystem(f"merge:{method}", record.pop("model"))
         curve_of[f"merge:{method}"] = JOINT
@@ -167,30 +180,55 @@ def _compositions(config: CompareConfig, components: Components) -> dict:
     return systems
 
 
-def _select_merges(config: CompareConfig, components: Components, data: EvalData, progress: bool) -> dict:
-    """For each method, the grid point with the best mean validation exact match (first one on ties)."""
+def _select_merges(config: CompareConfig, components: Components, data: EvalData, cache_dir: Path, progress: bool) -> dict:
+    """For each method, the grid point with the best mean validation exact match (the first one on ties).
+
+    The sweep is cached beside the checkpoints, keyed by the checkpoints' hashes, the task, the
+    evaluation settings (which fix the validation strings), the grid and the seed; a cached run
+    builds only the chosen merges.
+    """
     if not config.merges:
         return {}
     from merging import merge
 
     base = components.load_base()
     experts = [components.load_expert(name) for name in config.task.joint]
-    validation = list(data.validation.values())
-    fmt, tokenizer, batch_size = components.format, components.tokenizer, config.evaluation.batch_size
-    jobs = [(method, params) for method, grid in config.merges.items() for params in grid.candidates()]
-    records: dict[str, dict] = {}
-    for method, params in tqdm(jobs, desc="merges (validation)", disable=not progress, leave=False):
-        state = merge(method, base, experts, seed=config.seed_merges, progress=False, **params)
+    key = fingerprint(
+        {
+            "checkpoints": {name: record["fingerprint"] for name, record in components.training.items()},
+            "task": config.task.model_dump(mode="json"),
+            "evaluation": config.evaluation.model_dump(mode="json"),
+            "merges": {method: grid.model_dump(mode="json") for method, grid in config.merges.items()},
+            "seed": config.seed_merges,
+        }
+    )
+    cache = cache_dir / f"merge-selection-{key}.json"
+
+    def merged_model(method: str, params: dict):
         model = copy.deepcopy(base)
-        model.load_state_dict(state)
-        value = mean_exact_match(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
-        record = records.setdefault(method, {"chosen": None, "validation": [], "model": None, "best": -1.0})
-        record["validation"].append({**params, "mean_exact_match": value})
-        if value > record["best"]:
-            record.update(chosen=dict(params), best=value, model=model)
-    for record in records.values():
-        record["validation_exact_match"] = record.pop("best")
-    return records
+        model.load_state_dict(merge(method, base, experts, seed=config.seed_merges, progress=False, **params))
+        return model
+
+    cached = cache.is_file()
+    if cached:
+        selection = json.loads(cache.read_text())
+    else:
+        validation = list(data.validation.values())
+        fmt, tokenizer, batch_size = components.format, components.tokenizer, config.evaluation.batch_size
+        jobs = [(method, params) for method, grid in config.merges.items() for params in grid.candidates()]
+        selection = {}
+        for method, params in tqdm(jobs, desc="merges (validation)", disable=not progress, leave=False):
+            system = ModelSystem(method, merged_model(method, params))
+            value = mean_exact_match(system, validation, fmt, tokenizer, batch_size)
+            record = selection.setdefault(method, {"chosen": None, "validation_exact_match": -1.0, "validation": []})
+            record["validation"].append({**params, "mean_exact_match": value})
+            if value > record["validation_exact_match"]:
+                record.update(chosen=dict(params), validation_exact_match=value)
+        write_text_atomically(cache, json.dumps(selection, indent=1))
+    return {
+        method: {**record, "cached": cached, "model": merged_model(method, record["chosen"])}
+        for method, record in selection.items()
+    }
 
 
 def _skipped(config: CompareConfig) -> dict[str, str]:
@@ -216,6 +254,7 @@ def _evaluate(config: CompareConfig, components: Components, data: EvalData, sys
     checked = {JOINT, longest.name}
     results = {}
     for name, system in tqdm(systems.items(), desc="evaluate", disable=not progress, leave=False):
+        started = time.perf_counter()
         splits, agreement = {}, []
         for split, eval_set in data.test.items():
             scored = score(system, eval_set, fmt, tokenizer, batch_size)
@@ -224,8 +263,9 @@ def _evaluate(config: CompareConfig, components: Components, data: EvalData, sys
                 agreement.append(greedy_agreement(system, eval_set.head(check), fmt, tokenizer, batch_size, scored))
         by_length, by_length_ci, by_length_n, by_length_first_error = {}, {}, {}, {}
         for length, eval_set in data.curves[curve_of[name]].items():
-            scored = score(system, eval_set, fmt, tokenizer, batch_size)
-            cell = summary(scored)
+            # The joint curve shares its sets with the test splits (`joint`, `length_L`).
+            shared = data.test.get(eval_set.name)
+            cell = splits[eval_set.name] if shared is eval_set else summary(score(system, eval_set, fmt, tokenizer, batch_size))
             by_length[str(length)] = cell["exact_match"]
             by_length_ci[str(length)] = cell["ci95"]
             by_length_n[str(length)] = cell["n"]
@@ -238,6 +278,7 @@ def _evaluate(config: CompareConfig, components: Components, data: EvalData, sys
             "by_length_n": by_length_n,
             "by_length_first_error": by_length_first_error,
             "greedy_check": agreement,
+            "seconds": round(time.perf_counter() - started, 2),
         }
     return results
 
