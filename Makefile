@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 run: $(VENV)/.installed
-	$(BIN)/mergecompose demo
+	$(BIN)/mergecompose compare configs/letters.yaml --out runs/letters
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
