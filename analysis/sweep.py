@@ -66,12 +66,15 @@ class SweepConfig(BaseModel):
     * `skills`: name -> {source: replacement}; `pairs`: the expert pairs, by skill name.
     * `test_strings`, `validation_strings`: held-out strings per pair (both skills active).
     * `success_threshold`: a system succeeds on a pair when its joint accuracy is ≥ this.
+    * `compare_overrides`: values merged (recursively) into the compare YAML before it is
+      validated, e.g. `{training: {experts: {full: {steps: 25}}}}` for under-trained experts.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     name: str = "overlap_sweep"
     compare: str
+    compare_overrides: dict = Field(default_factory=dict)
     skills: dict[str, dict[str, str]]
     pairs: list[tuple[str, str]] = Field(min_length=1)
     test_strings: int = Field(300, ge=1)
@@ -106,7 +109,7 @@ class SweepConfig(BaseModel):
         path = Path(self.compare)
         if not path.is_file():
             raise ValueError(f"`compare` must be an existing compare YAML file, got {self.compare!r}")
-        data = yaml.safe_load(path.read_text())
+        data = _deep_merge(yaml.safe_load(path.read_text()), self.compare_overrides)
         data["task"] = {**data.get("task", {}), "skills": self.skills, "joint": list(self._compatible_pair())}
         data["training"]["experts"] = {k: v for k, v in data["training"]["experts"].items() if k != "lora"}
         data["merges"] = {}
@@ -118,6 +121,25 @@ class SweepConfig(BaseModel):
             if not pair_replacements(self.skills[a], self.skills[b])[1]:
                 return a, b
         raise ValueError("`pairs` must include at least one pair whose maps do not conflict")
+
+
+def _deep_merge(base: dict, overrides: dict) -> dict:
+    merged = dict(base)
+    for key, value in overrides.items():
+        merged[key] = _deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def conflict_choices(outputs: list[str], sources: list[str], replace_a: dict[str, str], replace_b: dict[str, str]) -> dict:
+    """Where the two maps conflict: how often each output letter was written, over all such positions."""
+    _, conflicts = pair_replacements(replace_a, replace_b)
+    counts: dict[str, int] = {}
+    for output, text in zip(outputs, sources):
+        for position, character in enumerate(text):
+            if character in conflicts:
+                written = output[position] if position < len(output) else "<none>"
+                counts[written] = counts.get(written, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
 
 
 def allowed_outputs(text: str, replace_a: dict[str, str], replace_b: dict[str, str]) -> list[set[str]]:
@@ -192,7 +214,8 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
             for centre in ("median", "base_weighted_median")
         }
         composed = ComposedLM(base, [experts[name_a], experts[name_b]])
-        compose_accuracy = joint_accuracy(_greedy(ComposedSystem("compose", composed), test, fmt, tokenizer, batch_size), test, replace_a, replace_b)
+        compose_outputs = _greedy(ComposedSystem("compose", composed), test, fmt, tokenizer, batch_size)
+        compose_accuracy = joint_accuracy(compose_outputs, test, replace_a, replace_b)
         own = {
             name: joint_accuracy(
                 _greedy(ModelSystem(name, experts[name]), test, fmt, tokenizer, batch_size), test, rule, rule
@@ -208,7 +231,8 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
                 outputs = _greedy(ModelSystem(method, merged), validation, fmt, tokenizer, batch_size)
                 candidates.append({"method": method, **params, "validation": joint_accuracy(outputs, validation, replace_a, replace_b), "model": merged})
         best = max(candidates, key=lambda c: c["validation"])  # first one on ties
-        merge_accuracy = joint_accuracy(_greedy(ModelSystem("merge", best["model"]), test, fmt, tokenizer, batch_size), test, replace_a, replace_b)
+        merge_outputs = _greedy(ModelSystem("merge", best["model"]), test, fmt, tokenizer, batch_size)
+        merge_accuracy = joint_accuracy(merge_outputs, test, replace_a, replace_b)
 
         key = f"{name_a}+{name_b}"
         pairs[key] = {
@@ -218,6 +242,13 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
             "merge_chosen": {k: v for k, v in best.items() if k != "model"},
             "merge_validation": [{k: v for k, v in c.items() if k != "model"} for c in candidates],
             "expert_own_skill_accuracy": own,
+            "conflict_choices": {
+                "compose": conflict_choices(compose_outputs, test, replace_a, replace_b),
+                "merge": conflict_choices(merge_outputs, test, replace_a, replace_b),
+            },
+            "examples": [
+                {"source": text, "compose": c, "merge": m} for text, c, m in list(zip(test, compose_outputs, merge_outputs))[:5]
+            ],
             "diagnostics": diagnostics,
         }
         rows.append(_row(key, name_a, name_b, pairs[key]))
@@ -351,5 +382,10 @@ def sweep_markdown(results: dict) -> str:
                 for cell, c in table["cells"].items()
             ],
         )
+    choices = {key: record["conflict_choices"] for key, record in results["pairs"].items() if record["conflict_choices"]["compose"]}
+    if choices:
+        lines += ["", "## Conflicting letters: what each system wrote there", ""]
+        for key, record in choices.items():
+            lines.append(f"- **{key}**: compose {record['compose']}, merge {record['merge']}")
     lines.append("")
     return "\n".join(lines)

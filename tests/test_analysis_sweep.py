@@ -84,3 +84,11 @@ def test_tiny_sweep_end_to_end(tmp_path, capsys):
     path.write_text(yaml.safe_dump(sweep))
     with pytest.raises(FileExistsError, match="another config"):
         main(["overlap-sweep", str(path), "--out", str(out), "--quiet"])
+
+
+def test_conflict_choices_count_the_letters_written_on_conflicts():
+    from analysis.sweep import conflict_choices
+
+    counts = conflict_choices(["BXC", "", "AXA"], ["AXA", "AX", "AXA"], {"A": "B"}, {"A": "C"})
+    assert counts == {"A": 2, "B": 1, "C": 1, "<none>": 1}
+    assert conflict_choices(["BD"], ["AC"], {"A": "B"}, {"C": "D"}) == {}
