@@ -340,10 +340,13 @@ def _write(out_dir: Path, results: dict, config: SweepConfig) -> None:
         os.replace(temporary, out_dir / name)
     for x_key, file in (("mass_overlap", "overlap_vs_error.png"), ("mass_overlap_weighted", "overlap_weighted_vs_error.png")):
         temporary = out_dir / f".{file}.tmp.png"
-        rho = results["statistics"]["spearman"][f"{x_key} vs compose_error"]["rho"]
+        rho = {
+            kind: results["statistics"]["spearman"][f"{x_key} vs {kind}_error"]["rho"] for kind in ("compose", "merge")
+        }
+        shown = {kind: "undefined" if value is None else f"{value:.2f}" for kind, value in rho.items()}
         plot_overlap_against_error(
             results["rows"], x_key, {"composition": "compose_error", "best merge": "merge_error"}, temporary,
-            f"{x_key} against joint-task error (Spearman ρ with composition error: {rho if rho is None else round(rho, 3)})",
+            f"{x_key} against joint-task error; Spearman ρ: composition {shown['compose']}, merge {shown['merge']}",
         )
         os.replace(temporary, out_dir / file)
 
