@@ -139,11 +139,14 @@ def plot_lengths(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axis = plt.subplots(figsize=(8, 5))
-    for name, record in results["systems"].items():
+    colours = plt.get_cmap("tab20").colors
+    markers = "os^vD<>ph*"
+    for index, (name, record) in enumerate(results["systems"].items()):
         lengths = [int(length) for length in record["by_length"]]
         values = [100 * value for value in record["by_length"].values()]
         style = "-" if name.startswith(("compose", "merge")) else "--"
-        axis.plot(lengths, values, style, marker="o", label=f"{name} ({record['target']})")
+        axis.plot(lengths, values, style, color=colours[index % len(colours)], marker=markers[index % len(markers)],
+                  markersize=5, label=f"{name} ({record['target']})")
     axis.axvline(results["data"]["train_lengths"][1], color="grey", linestyle=":", label="longest training length")
     axis.set_xlabel("string length")
     axis.set_ylabel("exact match %")
