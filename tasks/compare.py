@@ -7,11 +7,14 @@ Systems:
     expert:<name>:lora     each expert as a peft LoRA adapter on the base
     compose                ComposedLM(base, full joint experts)
     compose:lora           ComposedLM.from_adapters(base, joint adapters): one base copy
+    compose+<name>         ComposedLM(base, full joint experts) with the config's remedy set <name>
     merge:<method>         merging.merge(method, base, full joint experts), hyperparameters
                            chosen on the validation splits (the mean exact match over them)
 
 Every system is scored on every test split against the joint target, and on its own target
 per length (`by_length`): the base on copying, an expert on its skill, the rest on the joint task.
+The task type (`config.task`: letters, or the sequential skills of `tasks.skills_pipeline`) gives
+the training data, the evaluation data and any extra results sections.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from tasks.evaluate import (
     ComposedSystem,
     EvalData,
     ModelSystem,
-    build_eval_data,
     greedy_agreement,
     mean_exact_match,
     score,
@@ -43,6 +45,7 @@ from tasks.evaluate import (
 )
 from tasks.letters import JOINT
 from tasks.report import format_tables, plot_lengths, write_markdown, write_text_atomically
+from tasks.skills_remedies import remedy_system_name
 
 BAR = 0.99  # the issue's bar for components and for the composition
 
@@ -100,8 +103,7 @@ def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
     timings["train_or_load"] = round(time.perf_counter() - started, 2)
 
     stage = time.perf_counter()
-    task = config.task.letter_task()
-    data = build_eval_data(task, config.evaluation, config.eval_length, config.task.train_lengths[1])
+    data = config.task.eval_data(config.evaluation, config.eval_length, config.task.train_lengths[1])
     timings["data"] = round(time.perf_counter() - stage, 2)
 
     stage = time.perf_counter()
@@ -140,7 +142,7 @@ def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
         },
     }
     context = RunContext(config, components, data, systems, curve_of)
-    for name, section in (sections or {}).items():
+    for name, section in {**config.task.sections(), **(sections or {})}.items():
         results[name] = section(context)
     timings["total"] = round(time.perf_counter() - started, 2)
     results["timings"] = timings
@@ -161,7 +163,7 @@ def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
 def _single_systems(config: CompareConfig, components: Components) -> tuple[dict, dict[str, str]]:
     systems = {"base": ModelSystem("base", components.load_base())}
     curve_of = {"base": "copy"}
-    for name in config.task.skills:
+    for name in config.task.trained_skills():
         systems[f"expert:{name}"] = ModelSystem(f"expert:{name}", components.load_expert(name))
         curve_of[f"expert:{name}"] = f"skill:{name}"
         if name in components.adapters:
@@ -172,8 +174,12 @@ def _single_systems(config: CompareConfig, components: Components) -> tuple[dict
 
 def _compositions(config: CompareConfig, components: Components) -> dict:
     joint = config.task.joint
-    composed = ComposedLM(components.load_base(), [components.load_expert(name) for name in joint])
-    systems = {"compose": ComposedSystem("compose", composed)}
+    base, experts = components.load_base(), [components.load_expert(name) for name in joint]
+    systems = {"compose": ComposedSystem("compose", ComposedLM(base, experts))}
+    eos = components.tokenizer.eos_token_id
+    for name, remedy in config.remedies.items():  # the same models under each remedy set
+        composed = ComposedLM(base, experts, remedies=remedy.build(eos))
+        systems[remedy_system_name(name)] = ComposedSystem(remedy_system_name(name), composed)
     if all(name in components.adapters for name in joint):
         adapters = {name: str(components.adapters[name]) for name in joint}
         systems["compose:lora"] = ComposedSystem("compose:lora", ComposedLM.from_adapters(components.load_base(), adapters))

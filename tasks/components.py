@@ -28,7 +28,7 @@ from tasks.config import CompareConfig, TrainingSettings, fingerprint
 from tasks.formats import SequenceFormat
 from tasks.models import build_model, lora_config
 from tasks.tokenizer import build_tokenizer
-from tasks.train import TrainingStrings, train_model
+from tasks.train import train_model
 
 # Bump when the meaning of a training setting changes, so that old checkpoints are not reused.
 CHECKPOINT_VERSION = 1
@@ -62,13 +62,18 @@ class Components:
     experts: dict[str, Path]
     adapters: dict[str, Path]
     training: dict[str, dict] = field(default_factory=dict)  # component -> fingerprint, cached, log
+    # (base, expert, name) -> the expert the systems use; the task's `expert_variant` (e.g. noise added).
+    expert_variant: Callable | None = None
 
     def load_base(self) -> PreTrainedModel:
         """A fresh copy of the base (callers may modify it)."""
         return AutoModelForCausalLM.from_pretrained(self.base_dir).eval()
 
     def load_expert(self, name: str) -> PreTrainedModel:
-        return AutoModelForCausalLM.from_pretrained(self.experts[name]).eval()
+        expert = AutoModelForCausalLM.from_pretrained(self.experts[name]).eval()
+        if self.expert_variant is None:
+            return expert
+        return self.expert_variant(self.load_base(), expert, name)
 
     def load_adapter(self, name: str) -> PeftModel:
         """The LoRA expert `name` on its own fresh copy of the base (unmerged, as peft runs it)."""
@@ -91,6 +96,8 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
         "model": config.model.model_dump(mode="json"),
         "seed": config.training.seed,
     }
+    if task.data_recipe() is not None:
+        shared["task"] = task.data_recipe()
     training: dict[str, dict] = {}
 
     def new_model(*labels: str) -> PreTrainedModel:
@@ -99,11 +106,9 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
             derived_seed(config.training.seed, *labels),
         )
 
-    def strings(replace: dict, settings: TrainingSettings, *labels: str) -> TrainingStrings:
-        return TrainingStrings(
-            task.alphabet, task.train_lengths, replace, tokenizer, fmt, settings,
-            derived_seed(config.training.seed, "data", *labels),
-        )
+    def strings(skill: str | None, settings: TrainingSettings, *labels: str):
+        """Training batches for the base (`skill` None) or an expert, from the task type."""
+        return task.training_strings(skill, tokenizer, fmt, settings, derived_seed(config.training.seed, "data", *labels))
 
     def checkpoint(label: str, recipe: dict, make: Callable[[Path], dict]) -> Path:
         digest = fingerprint(recipe)
@@ -120,7 +125,7 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
 
     def train_base(folder: Path) -> dict:
         model = new_model("base")
-        log = train_model(model, strings({}, config.training.base, "base"), config.training.base, "base", progress)
+        log = train_model(model, strings(None, config.training.base, "base"), config.training.base, "base", progress)
         model.save_pretrained(folder)
         return log.to_dict()
 
@@ -128,20 +133,20 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
 
     experts, adapters = {}, {}
     plan = config.training.experts
-    for name, replace in task.skills.items():
+    for name in task.trained_skills():
         recipe = {
             "component": "expert",
             **shared,
             "skill": name,
-            "replace": replace,
+            **task.skill_recipe(name),
             "init": plan.init,
             "base": base_recipe if plan.init == "base" else None,
             "training": plan.full.model_dump(mode="json"),
         }
 
-        def train_expert(folder: Path, name=name, replace=replace) -> dict:
+        def train_expert(folder: Path, name=name) -> dict:
             model = AutoModelForCausalLM.from_pretrained(base_dir) if plan.init == "base" else new_model("expert", name)
-            log = train_model(model, strings(replace, plan.full, "expert", name), plan.full, f"expert {name}", progress)
+            log = train_model(model, strings(name, plan.full, "expert", name), plan.full, f"expert {name}", progress)
             model.save_pretrained(folder)
             return log.to_dict()
 
@@ -150,17 +155,17 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
         if plan.lora is not None:
             lora_recipe = {**recipe, "component": "lora", "base": base_recipe, "training": plan.lora.model_dump(mode="json")}
 
-            def train_adapter(folder: Path, name=name, replace=replace) -> dict:
+            def train_adapter(folder: Path, name=name) -> dict:
                 base = AutoModelForCausalLM.from_pretrained(base_dir)
                 peft_model = get_peft_model(base, lora_config(plan.lora, config.model.architecture))
                 settings = plan.lora.training
-                log = train_model(peft_model, strings(replace, settings, "lora", name), settings, f"lora {name}", progress)
+                log = train_model(peft_model, strings(name, settings, "lora", name), settings, f"lora {name}", progress)
                 peft_model.save_pretrained(str(folder))
                 return log.to_dict()
 
             adapters[name] = checkpoint(f"lora-{name}", lora_recipe, train_adapter)
 
-    return Components(tokenizer, fmt, base_dir, experts, adapters, training)
+    return Components(tokenizer, fmt, base_dir, experts, adapters, training, task.expert_variant)
 
 
 def _finish(folder: Path, recipe: dict, log: dict, tokenizer) -> None:

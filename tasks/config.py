@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
 from tasks.letters import LetterTask
+from tasks.skills_pipeline import SkillsTaskSettings
+from tasks.skills_remedies import RemedySettings
 
 MERGE_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
 
@@ -25,8 +27,14 @@ class _Strict(BaseModel):
 
 
 class TaskSettings(_Strict):
-    """The letter-replacement task: skills as data (name -> {source: replacement})."""
+    """The letter-replacement task: skills as data (name -> {source: replacement}).
 
+    A task type gives the pipeline `trained_skills`, `data_recipe`, `skill_recipe`,
+    `training_strings`, `eval_data`, `expert_variant` and `sections`; the sequential-skills
+    family (`type: skills`, `tasks.skills_pipeline.SkillsTaskSettings`) is the other one.
+    """
+
+    type: Literal["letters"] = Field("letters", exclude=True)  # left out of dumps: hashes stay as they were
     formulation: Literal["seq2seq", "aligned"] = "seq2seq"
     alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
     skills: dict[str, dict[str, str]] = Field(
@@ -50,6 +58,44 @@ class TaskSettings(_Strict):
 
     def letter_task(self) -> LetterTask:
         return LetterTask(self.alphabet, self.skills, self.joint)
+
+    # ---- what the compare pipeline asks of a task type
+
+    def trained_skills(self) -> list[str]:
+        return list(self.skills)
+
+    def data_recipe(self) -> dict | None:
+        return None  # the alphabet and lengths, already in every checkpoint's recipe, fix the data
+
+    def skill_recipe(self, name: str) -> dict:
+        return {"replace": self.skills[name]}
+
+    def training_strings(self, skill: str | None, tokenizer, sequence_format, settings, seed: int):
+        from tasks.train import TrainingStrings
+
+        replace = {} if skill is None else self.skills[skill]
+        return TrainingStrings(self.alphabet, self.train_lengths, replace, tokenizer, sequence_format, settings, seed)
+
+    def eval_data(self, settings, main_length: int, train_max: int):
+        from tasks.evaluate import build_eval_data
+
+        return build_eval_data(self.letter_task(), settings, main_length, train_max)
+
+    def expert_variant(self, base, expert, name: str):
+        return expert
+
+    def sections(self) -> dict:
+        return {}
+
+
+def _task_type(value) -> str:
+    return value.get("type", "letters") if isinstance(value, dict) else getattr(value, "type", "letters")
+
+
+AnyTask = Annotated[
+    Annotated[TaskSettings, Tag("letters")] | Annotated[SkillsTaskSettings, Tag("skills")],
+    Discriminator(_task_type),
+]
 
 
 class PositionSettings(_Strict):
@@ -191,13 +237,16 @@ class CompareConfig(_Strict):
     """Everything `mergecompose compare` needs; the resolved config is written beside the results."""
 
     name: str = "letters"
-    task: TaskSettings = Field(default_factory=TaskSettings)
+    task: AnyTask = Field(default_factory=TaskSettings)
     positions: PositionSettings = Field(default_factory=PositionSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     training: TrainingPlan
     evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
     merges: dict[str, MergeGrid] = Field(default_factory=_default_merges)
     seed_merges: int = 0  # DARE's random drop seed
+    # Named remedy sets (`tasks.skills_remedies`), each evaluated as one more system `compose+<name>`.
+    # Left out of dumps when empty, so configs without remedies keep their hashes.
+    remedies: dict[str, RemedySettings] = Field(default_factory=dict, exclude_if=lambda value: not value)
 
     @field_validator("merges")
     @classmethod
@@ -213,6 +262,8 @@ class CompareConfig(_Strict):
     def _consistent(self):
         if self.task.formulation == "aligned" and self.positions.scheme == "coupled":
             raise ValueError("`positions.scheme: coupled` is for seq2seq; the aligned formulation needs `contiguous`")
+        if isinstance(self.task, SkillsTaskSettings):
+            self.task.check_lengths(self.eval_length, self.evaluation.lengths)
         longest = max([*self.evaluation.lengths, self.eval_length, self.task.train_lengths[1]])
         # seq2seq: room for two generated tokens past the target's <eos> (the greedy check).
         needed = self.slots_needed(longest) + (2 if self.task.formulation == "seq2seq" else 0)

@@ -87,7 +87,7 @@ class SkillsTaskSettings(SkillsTaskSpec):
         return self.model_dump(mode="json", exclude=set(_NOT_IN_RECIPE))
 
     def skill_recipe(self, name: str) -> dict:
-        return {"skill": self.skill(name).model_dump(mode="json")}
+        return {"skill_spec": self.skill(name).model_dump(mode="json")}
 
     def training_strings(self, skill: str | None, tokenizer, sequence_format, settings, seed: int) -> "SkillsTrainingStrings":
         """Training batches for the base (`skill=None`, copy) or expert `skill`."""
