@@ -154,7 +154,13 @@ def compose_with_remedies(
         # Non-EOS tokens keep their relative composed probabilities and share 1 − p_eos.
         rest = torch.log_softmax(composed.masked_fill(is_eos, float("-inf")), dim=-1)  # (..., V)
         rest = rest + torch.log1p(-target.exp().clamp(max=1 - 1e-7)).unsqueeze(-1)
-        eos_share = composed.index_select(-1, eos) - composed.index_select(-1, eos).logsumexp(-1, keepdim=True)
-        composed = rest.clone()
-        composed[..., eos] = eos_share + target.unsqueeze(-1)  # EOS ids split `target` as the composition did
+        eos_mass = composed.index_select(-1, eos).logsumexp(-1, keepdim=True)  # (..., 1)
+        eos_share = composed.index_select(-1, eos) - eos_mass
+        adjusted = rest.clone()
+        adjusted[..., eos] = eos_share + target.unsqueeze(-1)  # EOS ids split `target` as the composition did
+        # Where a plausibility filter left only EOS, or ruled EOS out, there is nothing to trade
+        # between EOS and the rest: the filtered distribution stays as it is (no 0/0 NaN).
+        rest_mass = composed.masked_fill(is_eos, float("-inf")).logsumexp(-1, keepdim=True)
+        tradeable = torch.isfinite(eos_mass) & torch.isfinite(rest_mass)  # (..., 1)
+        composed = torch.where(tradeable, adjusted, composed)
     return composed

@@ -98,6 +98,23 @@ def test_termination_rule_from_active_experts():
     torch.testing.assert_close(fallback[eos].exp(), torch.tensor(0.1))
 
 
+def test_termination_after_a_plausibility_filter_that_leaves_only_eos_or_rules_it_out():
+    eos = 2
+    # Every component is sure of EOS: the filter keeps EOS alone, which keeps all the mass.
+    sure = log([0.001, 0.001, 0.998])
+    only_eos = compose_with_remedies(
+        torch.stack([sure, sure, sure]), remedies=[PlausibilityFilter(alpha=0.1), TerminationRule(eos)]
+    )
+    torch.testing.assert_close(only_eos, torch.tensor([-math.inf, -math.inf, 0.0]))
+    # No component finds EOS plausible: it stays ruled out, the rest keeps the filtered composition.
+    never = log([0.6, 0.39, 0.01])
+    components = torch.stack([never, never, never])
+    filtered = compose_with_remedies(components, remedies=[PlausibilityFilter(alpha=0.1)])
+    with_rule = compose_with_remedies(components, remedies=[PlausibilityFilter(alpha=0.1), TerminationRule(eos)])
+    assert not torch.isnan(with_rule).any()
+    torch.testing.assert_close(with_rule, filtered)
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
