@@ -77,8 +77,8 @@ def composition_noise(composed, spec, eval_set, fmt, tokenizer, batch_size: int,
     rate at `epsilon`, and the mean activity of each expert inside its own segments.
     """
     sums: dict[str, list[torch.Tensor]] = {"inactive_activity": [], "eos_noise": [], "oracle_shift": []}
-    all_regions, all_owners, activities = [], [], []
-    targets_all, lengths_all, regions_all, owners_all = _targets_and_regions(spec, eval_set, tokenizer)
+    all_regions, all_owners, activities = [], [], []  # per batch: (B, L+1), (B, L+1), (k, B, L+1)
+    _, _, regions_all, owners_all = _targets_and_regions(spec, eval_set, tokenizer)
     sources = encode_strings(tokenizer, eval_set.sources)
     target_ids = encode_strings(tokenizer, list(eval_set.targets))
     for start in range(0, len(sources), batch_size):
