@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
-_COMMAND_MODULES = ["composition.cli", "merging.cli", "analysis.cli", "tasks.cli"]
+_COMMAND_MODULES = ["composition.cli", "merging.cli", "analysis.cli", "tasks.cli", "tasks.skills_cli"]
 
 
 def build_parser() -> argparse.ArgumentParser:

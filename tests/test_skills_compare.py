@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.compare import run_compare
 from tasks.components import prepare_components
 from tasks.config import CompareConfig, load_config
+from tasks.skills_sweep import load_sweep_configs, run_skills_sweep, summarize, summary_markdown
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "skills_k3_test.yaml"
 REMEDIES = {"compose+gate", "compose+plausible", "compose+eos_base", "compose+eos_active", "compose+all"}
@@ -26,11 +26,17 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def skills_run(tmp_path_factory):
-    config = load_config(CONFIG)
-    out_dir = tmp_path_factory.mktemp("skills") / "run"
-    results = run_compare(config, out_dir, progress=False, echo=None)
-    return config, out_dir, results
+def sweep(tmp_path_factory):
+    """The k = 3 config run as a one-config `skills-sweep` (which runs `run_compare` in `OUT/<name>`)."""
+    out_dir = tmp_path_factory.mktemp("skills") / "sweep"
+    summary = run_skills_sweep(load_sweep_configs([CONFIG]), out_dir, progress=False, echo=None)
+    return out_dir, summary
+
+
+@pytest.fixture(scope="module")
+def skills_run(sweep):
+    out_dir = sweep[0] / "skills_k3_test"
+    return load_config(CONFIG), out_dir, json.loads((out_dir / "results.json").read_text())
 
 
 def test_config_is_the_skills_task_at_k_3():
@@ -42,7 +48,6 @@ def test_config_is_the_skills_task_at_k_3():
 def test_outputs_and_results_schema(skills_run):
     config, out_dir, results = skills_run
     assert {p.name for p in out_dir.iterdir()} >= {"results.json", "results.md", "length.png", "config.yaml"}
-    assert json.loads((out_dir / "results.json").read_text()) == json.loads(json.dumps(results))
     assert load_config(out_dir / "config.yaml") == config  # the resolved config, task type included
     singles = {"base"} | {f"expert:{n}{s}" for n in EXPERTS for s in ("", ":lora")}
     assert set(results["systems"]) == singles | {"compose", "compose:lora", "merge:task_arithmetic", "merge:ties"} | REMEDIES
@@ -100,3 +105,48 @@ def test_checkpoints_are_shared_across_k(skills_run):
     assert all(record["cached"] for record in smaller.training.values())
     assert set(smaller.experts) == {"shift", "mirror"}
     assert smaller.base_dir == Path(json.loads((out_dir / "results.json").read_text())["checkpoints"]["base"])
+
+
+def test_sweep_shares_checkpoints_and_writes_the_summary(sweep, skills_run):
+    out_dir, summary = sweep
+    _, run_dir, results = skills_run
+    assert (run_dir / "checkpoints").is_symlink() and (run_dir / "checkpoints").resolve() == (out_dir / "checkpoints").resolve()
+    assert json.loads((out_dir / "summary.json").read_text()) == json.loads(json.dumps(summary))
+    assert (out_dir / "accuracy_vs_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["ks"] == [3] and set(summary["systems"]) == {n for n in results["systems"] if n.startswith(("compose", "merge:"))}
+    for name, per_k in summary["systems"].items():
+        assert per_k["3"]["joint"] == results["systems"][name]["splits"]["joint"]
+        assert per_k["3"]["lengths"] == {"length_20": results["systems"][name]["splits"]["length_20"]["exact_match"]}
+    assert "| compose+all |" in (out_dir / "summary.md").read_text()
+
+
+def test_summary_orders_runs_by_k():
+    # Two runs given out of order (k = 4 first) come out as columns k = 2, 4.
+    def fake(k, value):
+        cell = {"exact_match": value, "n": 10, "ci95": [0.0, 1.0], "first_error": {}}
+        return {
+            "config": {"task": {"num_experts": k, "expert_noise": 0.0}},
+            "data": {"main_length": 32},
+            "systems": {"compose": {"splits": {"joint": cell, "length_64": cell}, "by_length": {}},
+                        "base": {"splits": {"joint": cell}, "by_length": {"32": 1.0}}},
+        }
+
+    summary = summarize([fake(4, 0.5), fake(2, 0.9)])
+    assert summary["ks"] == [2, 4]
+    assert summary["systems"]["compose"]["2"]["joint"]["exact_match"] == 0.9
+    assert summary["systems"]["compose"]["4"]["lengths"] == {"length_64": 0.5}
+    assert "| compose | 90.0 [0.0, 100.0] | 50.0 [0.0, 100.0] |" in summary_markdown(summary)
+
+
+def test_sweep_configs_are_checked(tmp_path):
+    letters = Path(__file__).resolve().parent.parent / "configs" / "letters.yaml"
+    with pytest.raises(ValueError, match="`task.type` must be 'skills'"):
+        load_sweep_configs([letters])
+    with pytest.raises(ValueError, match="`name`s must differ"):
+        load_sweep_configs([CONFIG, CONFIG])
+    renamed = tmp_path / "renamed.yaml"
+    renamed.write_text(CONFIG.read_text().replace("name: skills_k3_test", "name: other"))
+    with pytest.raises(ValueError, match="different numbers of experts"):
+        load_sweep_configs([CONFIG, renamed])
+    noisy = load_sweep_configs([CONFIG], expert_noise=0.5)
+    assert noisy[0].task.expert_noise == 0.5
