@@ -50,11 +50,14 @@ def check_adapter_fits(name: str, config: PeftConfig, state_dict: Mapping[str, t
                 f"adapter `{name}` targets module `{module_path}`, which the given base model "
                 f"({type(base_model).__name__}) does not have; was it made for another base?"
             )
+        if hasattr(module, "get_base_layer"):  # already wrapped by an earlier adapter's LoRA layer
+            module = module.get_base_layer()
         weight = getattr(module, "weight", None)
         if weight is None:
             continue
         out_features, in_features = weight.shape[0], weight.shape[-1]
-        if type(module).__name__ == "Embedding" or isinstance(module, torch.nn.Embedding):
+        # Embeddings and transformers' Conv1D (GPT-2) store their weight as (in, out).
+        if type(module).__name__ in ("Embedding", "Conv1D") or isinstance(module, torch.nn.Embedding):
             in_features, out_features = weight.shape[0], weight.shape[1]
         expected = in_features if match["part"] == "A" else out_features
         got = tensor.shape[-1] if match["part"] == "A" else tensor.shape[0]

@@ -139,3 +139,32 @@ def test_composed_system_uses_the_given_positions(setup):
     eval_set = copy_set(4, 8, seed=1)
     scored = score(composed, eval_set, fmt, tokenizer, 8)
     assert greedy_agreement(composed, eval_set, fmt, tokenizer, 8, scored)["agree"] == 8
+
+
+@pytest.mark.parametrize("implementation", ["stacked", "peft"])
+def test_gpt2_lora_experts_compose_on_one_base(tmp_path, implementation):
+    """GPT-2's Conv1D LoRA adapters (the paper-shaped models) on one shared base equal merged copies."""
+    from peft import PeftModel, get_peft_model
+
+    from tasks.config import LoraSettings
+    from tasks.models import lora_config
+
+    tokenizer = build_tokenizer(ALPHABET)
+    settings = ModelSettings(architecture="gpt2", hidden_size=32, max_position_embeddings=16)
+
+    def base():
+        return build_model(settings, len(tokenizer), 0, 1, seed=0).eval()
+
+    folders = {}
+    for index, name in enumerate(["ab", "cd"]):
+        torch.manual_seed(10 + index)
+        config = lora_config(LoraSettings(rank=4, alpha=8, training=TrainingSettings(steps=1)), "gpt2")
+        config.init_lora_weights = False  # random A and B, so that each adapter changes the model
+        get_peft_model(base(), config).save_pretrained(str(tmp_path / name))
+        folders[name] = str(tmp_path / name)
+    composed = ComposedLM.from_adapters(base(), folders, lora_implementation=implementation)
+    merged = [PeftModel.from_pretrained(base(), folders[name]).merge_and_unload().eval() for name in ["ab", "cd"]]
+    ids = torch.tensor([[5, 6, 7, 8, 9], [9, 3, 3, 4, 10]])
+    expected = compose_logprobs(*[m(input_ids=ids).logits for m in [base()]], [m(input_ids=ids).logits for m in merged])
+    torch.testing.assert_close(composed.logprobs(ids), expected, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(merged[0](input_ids=ids).logits, base()(input_ids=ids).logits)
