@@ -138,7 +138,7 @@ def plot_lengths(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(8, 5))
+    figure, axis = plt.subplots(figsize=(10, 5))
     colours = plt.get_cmap("tab20").colors
     markers = "os^vD<>ph*"
     for index, (name, record) in enumerate(results["systems"].items()):
@@ -152,7 +152,7 @@ def plot_lengths(results: dict, path: Path) -> None:
     axis.set_ylabel("exact match %")
     axis.set_ylim(-2, 102)
     axis.set_title(f"{results['config']['name']}: exact match by length (own target)")
-    axis.legend(fontsize=7, loc="lower left")
+    axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: lines often overlap at 0 and 100
     figure.tight_layout()
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     os.close(handle)
