@@ -28,3 +28,17 @@ def test_analysis_benchmark_runs(tmp_path):
     results = json.loads(out.read_text())
     assert {"64", "256"} == set(results["tokens"])
     assert "memory_growth" in results
+
+
+def test_compare_benchmark_runs(tmp_path):
+    import yaml
+    from test_compare import SMALL
+
+    from benchmarks import compare
+
+    config = tmp_path / "small.yaml"
+    config.write_text(yaml.safe_dump(SMALL))
+    out = tmp_path / "compare.json"
+    assert compare.main(["--config", str(config), "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["from_nothing_seconds"] > 0 and results["cached_seconds"] > 0
