@@ -73,7 +73,8 @@ def format_tables(results: dict) -> str:
 def write_markdown(results: dict, path: Path) -> None:
     config = results["config"]
     parts = [
-        f"# {config['name']}: merging and composition on letter replacement ({config['task']['formulation']})",
+        f"# {config['name']}: merging and composition on "
+        f"{'sequential skills' if config['task'].get('type') == 'skills' else 'letter replacement'} ({config['task']['formulation']})",
         "",
         f"Training lengths {results['data']['train_lengths']}; main splits at length {results['data']['main_length']}. "
         "Exact match of the greedy output up to EOS, with Wilson 95 % intervals.",
