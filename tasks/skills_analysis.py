@@ -72,11 +72,11 @@ def system_failures(system, spec, eval_set, fmt, tokenizer, batch_size: int, mar
 def composition_noise(composed, spec, eval_set, fmt, tokenizer, batch_size: int, epsilon: float) -> dict:
     """Teacher-forced background noise of a `ComposedLM` on `eval_set`'s joint targets.
 
-    Returns per-region means of `inactive_activity`, `eos_noise` and `oracle_shift` (see
+    Returns per-region means of `inactive_activity`, `eos_noise`, `oracle_shift` and `oracle_flip` (see
     `tasks.skills_failures.background_noise`), the co-activation rate and the spurious-activity
     rate at `epsilon`, and the mean activity of each expert inside its own segments.
     """
-    sums: dict[str, list[torch.Tensor]] = {"inactive_activity": [], "eos_noise": [], "oracle_shift": []}
+    sums: dict[str, list[torch.Tensor]] = {"inactive_activity": [], "eos_noise": [], "oracle_shift": [], "oracle_flip": []}
     all_regions, all_owners, activities = [], [], []  # per batch: (B, L+1), (B, L+1), (k, B, L+1)
     _, _, regions_all, owners_all = _targets_and_regions(spec, eval_set, tokenizer)
     sources = encode_strings(tokenizer, eval_set.sources)

@@ -167,6 +167,8 @@ def background_noise(components: torch.Tensor, owners: torch.Tensor, eos_token_i
     * `oracle_shift`: `KL(q*_t ‖ q_t)`, from the oracle composition `q*` that uses only the
       owner (the base alone on background steps) to the plain composition `q` of all k experts.
       It is 0 when every non-owner equals the base, as joint factorizability assumes.
+    * `oracle_flip`: 1.0 where `q` and `q*` have different argmax tokens: the silent experts
+      change what greedy decoding emits at that step, else 0.0.
 
     Args:
         components: `(k+1, B, T, V)` log-probs or logits, base first.
@@ -192,6 +194,7 @@ def background_noise(components: torch.Tensor, owners: torch.Tensor, eos_token_i
         "inactive_activity": (activity * silent).sum(0),
         "eos_noise": (eos_delta * silent).sum(0),
         "oracle_shift": kl_divergence(oracle, composed),
+        "oracle_flip": (oracle.argmax(-1) != composed.argmax(-1)).float(),
     }
 
 

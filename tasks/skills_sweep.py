@@ -199,7 +199,8 @@ def summary_markdown(summary: dict) -> str:
 
     parts += [
         "Background noise of the plain composition on `joint` (teacher-forced; per region: background / segment / "
-        "boundary / end): Σ over non-owning experts of KL(p_i ‖ p_b); their summed EOS log-ratio; KL(oracle ‖ composed):",
+        "boundary / end): Σ over non-owning experts of KL(p_i ‖ p_b); their summed EOS log-ratio; KL(oracle ‖ composed); "
+        "% of steps where the composition's argmax differs from the owner-only oracle's:",
         "",
     ]
     rows = []
@@ -211,10 +212,12 @@ def summary_markdown(summary: dict) -> str:
         def regions(values):
             return " / ".join("–" if values[r] is None else f"{values[r]:.3f}" for r in ("background", "segment", "boundary", "end"))
 
+        flips = record.get("oracle_flip")
+        flip_cell = "–" if flips is None else " / ".join(_percent(flips[r]) for r in ("background", "segment", "boundary", "end"))
         rows.append([k, regions(record["inactive_activity"]), regions(record["eos_noise"]), regions(record["oracle_shift"]),
-                     f"{record['coactivation_rate']:.3f}", f"{record['spurious_activity_rate']:.3f}"])
-    parts += [_table(["k", "Σ inactive KL", "Σ inactive EOS log-ratio", "KL(oracle ‖ composed)", "co-activation",
-                      "spurious activity"], rows), ""]
+                     flip_cell, f"{record['coactivation_rate']:.3f}", f"{record['spurious_activity_rate']:.3f}"])
+    parts += [_table(["k", "Σ inactive KL", "Σ inactive EOS log-ratio", "KL(oracle ‖ composed)", "argmax flips %",
+                      "co-activation", "spurious activity"], rows), ""]
 
     parts += ["Components on their own targets, exact match % by length (per k run; the same checkpoints):", ""]
     rows = []

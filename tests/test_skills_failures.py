@@ -104,6 +104,8 @@ def test_background_noise_golden():
     # The oracle is the base (uniform); the plain composition is expert 1's distribution.
     expected_shift = 0.75 * math.log(0.25 / (1 / 6)) + 0.25 * math.log(0.25 / 0.5)
     assert noise["oracle_shift"].item() == pytest.approx(expected_shift, rel=1e-5)
+    # The oracle's argmax is token 0 (uniform: the first maximum), the composition's is EOS.
+    assert noise["oracle_flip"].item() == 1.0
     # Owned by expert 1, the same step has no silent deviation at all.
     owned = background_noise(components, torch.tensor([[1]]), EOS)
     assert owned["eos_noise"].item() == 0.0 and owned["inactive_activity"].item() == 0.0
@@ -124,6 +126,7 @@ def test_no_noise_when_non_owners_equal_the_base():
     assert noise["inactive_activity"].abs().max() < 1e-6
     assert noise["eos_noise"].abs().max() < 1e-6
     assert noise["oracle_shift"].abs().max() < 1e-5
+    assert noise["oracle_flip"].sum() == 0
     # ...while the activity of each owner is positive exactly where it owns a step.
     assert ((noise["activity"] > 1e-4) == owner_weights(owners, k).bool()).all()
 
