@@ -238,9 +238,11 @@ def plot_accuracy_against_k(summary: dict, path: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 5))
     colours = plt.get_cmap("tab10").colors
     markers = "os^vD<>ph*"
+    count = len(summary["systems"])
     for index, (name, per_k) in enumerate(summary["systems"].items()):
         ks = sorted(per_k, key=int)
-        x = [int(k) for k in ks]
+        offset = 0.25 * (index - (count - 1) / 2) / max(1, count - 1)  # side by side, so equal values stay visible
+        x = [int(k) + offset for k in ks]
         values = [100 * per_k[k]["joint"]["exact_match"] for k in ks]
         low = [v - 100 * per_k[k]["joint"]["ci95"][0] for v, k in zip(values, ks)]
         high = [100 * per_k[k]["joint"]["ci95"][1] - v for v, k in zip(values, ks)]
