@@ -12,6 +12,7 @@ def add_commands(subparsers) -> None:
     sweep.add_argument("--out", required=True, help="sweep folder: one run folder per config, shared checkpoints, summary")
     sweep.add_argument("--expert-noise", type=float, default=None,
                        help="the imperfect-expert variant: noise × RMS of each task-vector tensor added to every full expert")
+    sweep.add_argument("--checkpoints", default=None, help="reuse this checkpoints folder (e.g. another sweep's)")
     sweep.add_argument("--overwrite", action="store_true", help="replace results of other configs in --out")
     sweep.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     sweep.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -29,5 +30,8 @@ def run(args) -> int:
         raise ValueError(f"`--expert-noise` must be >= 0, got {args.expert_noise}")
     configs = load_sweep_configs(args.configs, args.expert_noise)
     transformers_logging.disable_progress_bar()
-    run_skills_sweep(configs, args.out, overwrite=args.overwrite, progress=not args.no_progress, threads=args.threads)
+    run_skills_sweep(
+        configs, args.out, overwrite=args.overwrite, progress=not args.no_progress, threads=args.threads,
+        checkpoints=args.checkpoints,
+    )
     return 0

@@ -6,7 +6,11 @@
 Each config runs in `OUT/<name>/` with `OUT/<name>/checkpoints` a link to the shared
 `OUT/checkpoints`: the base and expert i do not depend on k (`SkillsTaskSettings.data_recipe`),
 so they are trained once, by the first config that needs them. `--expert-noise` gives the
-imperfect-expert variant (noise on every full expert's task vector) without a second set of files.
+imperfect-expert variant (noise on every full expert's task vector, added after training), and
+`--checkpoints DIR` reuses another sweep's checkpoints (`OUT/checkpoints` becomes a link to DIR):
+
+    mergecompose skills-sweep configs/skills_k*.yaml --out runs/skills_noisy --expert-noise 0.5 \
+        --checkpoints runs/skills/checkpoints
 
 Writes `OUT/summary.json`, `OUT/summary.md` and `OUT/accuracy_vs_k.png`:
 
@@ -62,8 +66,13 @@ def run_skills_sweep(
     progress: bool = True,
     threads: int | None = 1,
     echo=print,
+    checkpoints: str | os.PathLike | None = None,
 ) -> dict:
-    """Run every config (sharing checkpoints), then write the summary over k. Returns the summary."""
+    """Run every config (sharing checkpoints), then write the summary over k. Returns the summary.
+
+    `checkpoints`: an existing checkpoints folder to share (e.g. another sweep's); by default
+    `out_dir/checkpoints`.
+    """
     out_dir = Path(out_dir)
     summary_path = out_dir / "summary.json"
     key = fingerprint([config.model_dump(mode="json") for config in configs])
@@ -75,6 +84,15 @@ def run_skills_sweep(
                 "pass overwrite=True (--overwrite) or choose another folder"
             )
     shared = out_dir / "checkpoints"
+    if checkpoints is not None:
+        source = Path(checkpoints).resolve()
+        if not source.is_dir():
+            raise ValueError(f"`checkpoints` must be an existing folder, got {str(checkpoints)!r}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if not shared.exists() and not shared.is_symlink():
+            shared.symlink_to(source, target_is_directory=True)
+        elif shared.resolve() != source:
+            raise ValueError(f"{shared} already exists and is not a link to `checkpoints` {str(source)!r}")
     shared.mkdir(parents=True, exist_ok=True)
     runs = {}
     for config in configs:

@@ -28,9 +28,10 @@ def one_thread():
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     """The k = 3 config run as a one-config `skills-sweep` (which runs `run_compare` in `OUT/<name>`)."""
-    out_dir = tmp_path_factory.mktemp("skills") / "sweep"
-    summary = run_skills_sweep(load_sweep_configs([CONFIG]), out_dir, progress=False, echo=None)
-    return out_dir, summary
+    root = tmp_path_factory.mktemp("skills")
+    (root / "shared").mkdir()  # a checkpoints folder of another sweep, reused through `checkpoints`
+    summary = run_skills_sweep(load_sweep_configs([CONFIG]), root / "sweep", progress=False, echo=None, checkpoints=root / "shared")
+    return root / "sweep", summary
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,10 @@ def test_sweep_shares_checkpoints_and_writes_the_summary(sweep, skills_run):
     out_dir, summary = sweep
     _, run_dir, results = skills_run
     assert (run_dir / "checkpoints").is_symlink() and (run_dir / "checkpoints").resolve() == (out_dir / "checkpoints").resolve()
+    assert (out_dir / "checkpoints").resolve() == (out_dir.parent / "shared").resolve()
+    assert any(path.name.startswith("base-") for path in (out_dir.parent / "shared").iterdir())
+    with pytest.raises(ValueError, match="is not a link to `checkpoints`"):
+        run_skills_sweep(load_sweep_configs([CONFIG]), out_dir, echo=None, checkpoints=run_dir)
     assert json.loads((out_dir / "summary.json").read_text()) == json.loads(json.dumps(summary))
     assert (out_dir / "accuracy_vs_k.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary["ks"] == [3] and set(summary["systems"]) == {n for n in results["systems"] if n.startswith(("compose", "merge:"))}
