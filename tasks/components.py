@@ -152,13 +152,14 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
 
         experts[name] = checkpoint(f"expert-{name}", recipe, train_expert)
 
-        if plan.lora is not None:
-            lora_recipe = {**recipe, "component": "lora", "base": base_recipe, "training": plan.lora.model_dump(mode="json")}
+        lora = plan.lora_for(name)
+        if lora is not None:
+            lora_recipe = {**recipe, "component": "lora", "base": base_recipe, "training": lora.model_dump(mode="json")}
 
-            def train_adapter(folder: Path, name=name) -> dict:
+            def train_adapter(folder: Path, name=name, lora=lora) -> dict:
                 base = AutoModelForCausalLM.from_pretrained(base_dir)
-                peft_model = get_peft_model(base, lora_config(plan.lora, config.model.architecture))
-                settings = plan.lora.training
+                peft_model = get_peft_model(base, lora_config(lora, config.model.architecture))
+                settings = lora.training
                 log = train_model(peft_model, strings(name, settings, "lora", name), settings, f"lora {name}", progress)
                 peft_model.save_pretrained(str(folder))
                 return log.to_dict()

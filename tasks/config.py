@@ -64,6 +64,10 @@ class TaskSettings(_Strict):
     def trained_skills(self) -> list[str]:
         return list(self.skills)
 
+    def skill_names(self) -> list[str]:
+        """Every skill the task defines (trained or not)."""
+        return list(self.skills)
+
     def data_recipe(self) -> dict | None:
         return None  # the alphabet and lengths, already in every checkpoint's recipe, fix the data
 
@@ -170,12 +174,25 @@ class ExpertTraining(_Strict):
     init: Literal["base", "scratch"] = "base"
     full: TrainingSettings
     lora: LoraSettings | None = None
+    # Skill name -> LoRA settings that replace `lora` for that skill's adapter only (a skill the
+    # adapter needs a larger budget for). Left out of dumps when empty, so hashes stay as they were;
+    # the other adapters' recipes, and so their cached checkpoints, are unchanged.
+    lora_per_skill: dict[str, LoraSettings] = Field(default_factory=dict, exclude_if=lambda value: not value)
 
     @model_validator(mode="after")
     def _lora_needs_base(self):
         if self.init == "scratch" and self.lora is not None:
             raise ValueError("`lora` needs experts fine-tuned from the base (`init: base`); got `init: scratch`")
+        if self.lora_per_skill and self.lora is None:
+            raise ValueError(
+                f"`lora_per_skill` (for {sorted(self.lora_per_skill)}) overrides `lora`, which is not set; "
+                "set `lora` too, or drop `lora_per_skill`"
+            )
         return self
+
+    def lora_for(self, skill: str) -> LoraSettings | None:
+        """The LoRA settings of `skill`'s adapter: its `lora_per_skill` entry, else `lora`."""
+        return self.lora_per_skill.get(skill, self.lora)
 
 
 class TrainingPlan(_Strict):
@@ -277,6 +294,10 @@ class CompareConfig(_Strict):
                 f"`positions.max_position` ({self.positions.max_position}) exceeds "
                 f"`model.max_position_embeddings` ({self.model.max_position_embeddings})"
             )
+        known = self.task.skill_names()
+        unknown = sorted(set(self.training.experts.lora_per_skill) - set(known))
+        if unknown:
+            raise ValueError(f"`training.experts.lora_per_skill` names unknown skills {unknown}; valid: {known}")
         if self.training.experts.init == "scratch" and self.merges:
             raise ValueError(
                 "merges need experts fine-tuned from the base (`training.experts.init: base`); "

@@ -82,6 +82,10 @@ class SkillsTaskSettings(SkillsTaskSpec):
     def trained_skills(self) -> list[str]:
         return self.joint
 
+    def skill_names(self) -> list[str]:
+        """Every skill of the list, also those beyond `num_experts` (configs for several k share settings)."""
+        return [skill.name for skill in self.skills]
+
     def data_recipe(self) -> dict:
         """Everything that shapes the training data; not `num_experts` (checkpoints are shared across k) nor the analysis."""
         return self.model_dump(mode="json", exclude=set(_NOT_IN_RECIPE))

@@ -12,6 +12,7 @@ import yaml
 
 from mergecompose_cli import main
 from tasks.compare import run_compare
+from tasks.components import prepare_components
 from tasks.config import CompareConfig, load_config
 
 SMALL = {
@@ -127,6 +128,27 @@ def test_checkpoints_are_transformers_and_peft_folders(small_run):
     assert all(record["cached"] is False for record in results["training"].values())
 
 
+def test_lora_per_skill_retrains_only_that_adapter(small_run, tmp_path):
+    config, _, out_dir, results, _ = small_run
+    data = config.model_dump(mode="json")
+    override = {**data["training"]["experts"]["lora"], "rank": 2}
+    data["training"]["experts"]["lora_per_skill"] = {"cd": override}
+    changed = CompareConfig.model_validate(data)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").symlink_to(out_dir / "checkpoints", target_is_directory=True)
+    components = prepare_components(changed, run_dir, progress=False)
+    cached = {label: record["cached"] for label, record in components.training.items()}
+    assert cached == {label: label != "lora-cd" for label in results["training"]}
+    before = {name: Path(path).name for name, path in results["checkpoints"]["adapters"].items()}
+    assert components.adapters["ab"].name == before["ab"] and components.adapters["ac"].name == before["ac"]
+    assert components.adapters["cd"].name != before["cd"]
+    adapter_config = json.loads((components.adapters["cd"] / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 2
+    # Without overrides the dump (and so the config hash) is what it was before the field existed.
+    assert "lora_per_skill" not in config.model_dump(mode="json")["training"]["experts"]
+
+
 def test_bars_are_reported(small_run):
     _, _, _, results, _ = small_run
     bars = results["bars"]
@@ -199,6 +221,16 @@ def test_aligned_from_scratch_and_a_results_section(tmp_path):
         ({"positions": {"max_position": 10}}, "too small for strings of length 12"),
         ({"task": {"skills": {"ab": {"A": "B"}, "cd": {"C": "D"}}, "joint": ["ab", "ac"]}}, "two or more distinct skills"),
         ({"training": {"base": {"steps": 1, "epochs": 1}, "experts": SMALL["training"]["experts"]}}, "give either `steps`"),
+        (
+            {"training": {**SMALL["training"], "experts": {
+                **SMALL["training"]["experts"], "lora_per_skill": {"xy": SMALL["training"]["experts"]["lora"]}}}},
+            r"`training.experts.lora_per_skill` names unknown skills \['xy'\]; valid: \['ab', 'cd', 'ac'\]",
+        ),
+        (
+            {"training": {**SMALL["training"], "experts": {
+                "full": {"steps": 1}, "lora_per_skill": {"ab": SMALL["training"]["experts"]["lora"]}}}},
+            "overrides `lora`, which is not set",
+        ),
     ],
 )
 def test_config_errors_name_the_field(tmp_path, change, message):
