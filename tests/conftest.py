@@ -10,6 +10,17 @@ from composition.tiny import random_llama, random_lora_adapter, tiny_llama_confi
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules that train tiny models: one torch thread is fastest, and much faster on a loaded machine.
+
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_config():
     return tiny_llama_config()

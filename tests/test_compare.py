@@ -7,7 +7,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 from mergecompose_cli import main
@@ -44,12 +43,7 @@ SYSTEMS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

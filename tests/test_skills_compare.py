@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from tasks.components import prepare_components
 from tasks.config import CompareConfig, load_config
@@ -17,12 +16,7 @@ REMEDIES = {"compose+gate", "compose+plausible", "compose+eos_base", "compose+eo
 EXPERTS = ["shift", "mirror", "reverse"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,7 @@ ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
 TINY = ModelSettings(hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one torch thread is fastest, and much faster on a loaded machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
