@@ -160,8 +160,12 @@ def terminal_table(results: dict) -> str:
     return "\n\n".join(blocks)
 
 
-def plot_activity_heatmap(heatmap: list[dict], expert_names: list[str], path: Path) -> None:
-    """Per-position activity log10 KL(p_i ‖ p_b) of a few sequences, one panel per sequence."""
+def plot_activity_heatmap(
+    heatmap: list[dict], expert_names: list[str], path: Path, intervals_label: str = "estimated active interval [τ1, τ2)"
+) -> None:
+    """Per-position activity log10 KL(p_i ‖ p_b) of a few sequences, one panel per sequence.
+
+    `intervals_label` says what the cyan boxes (each item's `intervals`) are."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -176,8 +180,8 @@ def plot_activity_heatmap(heatmap: list[dict], expert_names: list[str], path: Pa
         panels, 1, figsize=(min(2.5 + 0.25 * width, 30), height), squeeze=False, layout="constrained"
     )
     figure.suptitle(
-        "activity log10 KL(p_i ‖ p_b) per position; x label: the token the position predicts; "
-        "cyan: estimated active interval [τ1, τ2)",
+        "activity log10 KL(p_i ‖ p_b) per position; x label: the token the position predicts;\n"
+        f"cyan: {intervals_label}",
         fontsize=9,
     )
     image = None

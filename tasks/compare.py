@@ -151,9 +151,10 @@ def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
     write_text_atomically(out_dir / "results.json", json.dumps(results, indent=1))
     write_markdown(results, out_dir / "results.md")
     plot_lengths(results, out_dir / "length.png")
+    plots = ["length.png", *config.task.plots(results, out_dir)]
     if echo is not None:
         echo(format_tables(results))
-        echo(f"\nresults: {out_dir / 'results.json'}, {out_dir / 'results.md'}, {out_dir / 'length.png'}")
+        echo(f"\nresults: {out_dir / 'results.json'}, {out_dir / 'results.md'}, " + ", ".join(str(out_dir / name) for name in plots))
     return results
 
 

@@ -30,7 +30,7 @@ class TaskSettings(_Strict):
     """The letter-replacement task: skills as data (name -> {source: replacement}).
 
     A task type gives the pipeline `trained_skills`, `data_recipe`, `skill_recipe`,
-    `training_strings`, `eval_data`, `expert_variant` and `sections`; the sequential-skills
+    `training_strings`, `eval_data`, `expert_variant`, `sections` and `plots`; the sequential-skills
     family (`type: skills`, `tasks.skills_pipeline.SkillsTaskSettings`) is the other one.
     """
 
@@ -67,6 +67,10 @@ class TaskSettings(_Strict):
     def skill_names(self) -> list[str]:
         """Every skill the task defines (trained or not)."""
         return list(self.skills)
+
+    def plots(self, results: dict, out_dir) -> list[str]:
+        """Task-specific plots beside `length.png`; the letters task has none."""
+        return []
 
     def data_recipe(self) -> dict | None:
         return None  # the alphabet and lengths, already in every checkpoint's recipe, fix the data

@@ -68,13 +68,43 @@ def system_failures(system, spec, eval_set, fmt, tokenizer, batch_size: int, mar
     return failure_summary(generated, targets, lengths, regions, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
+def activity_examples(activity: torch.Tensor, owners: torch.Tensor, targets: list[str], examples: int) -> list[dict]:
+    """The per-position activity of the first `examples` sequences, for `analysis.report.plot_activity_heatmap`.
+
+    Args:
+        activity: `(k, B, L+1)` KL(p_i ‖ p_b) per expert and output step (the last step is EOS).
+        owners: `(B, L+1)` the owning expert per step or -1.
+        targets: the B target strings.
+    Returns:
+        One dict per sequence: `activity` (k lists of L+1 floats), `next_tokens` (the target
+        characters, then "<eos>"), and `intervals`: expert i's own segment (markers included) as
+        `[start, stop)` output steps, or None where it owns none.
+    """
+    rows = []
+    for index in range(min(examples, activity.shape[1])):
+        intervals = []
+        for expert in range(activity.shape[0]):
+            steps = (owners[index] == expert).nonzero().flatten()
+            intervals.append([int(steps.min()), int(steps.max()) + 1] if len(steps) else None)
+        rows.append({
+            "sequence": index,
+            "activity": activity[:, index].tolist(),
+            "next_tokens": [*targets[index], "<eos>"],
+            "intervals": intervals,
+        })
+    return rows
+
+
 @torch.no_grad()
-def composition_noise(composed, spec, eval_set, fmt, tokenizer, batch_size: int, epsilon: float) -> dict:
+def composition_noise(
+    composed, spec, eval_set, fmt, tokenizer, batch_size: int, epsilon: float, heatmap_examples: int = 3
+) -> dict:
     """Teacher-forced background noise of a `ComposedLM` on `eval_set`'s joint targets.
 
     Returns per-region means of `inactive_activity`, `eos_noise`, `oracle_shift` and `oracle_flip` (see
     `tasks.skills_failures.background_noise`), the co-activation rate and the spurious-activity
-    rate at `epsilon`, and the mean activity of each expert inside its own segments.
+    rate at `epsilon`, the mean activity of each expert inside its own segments, and `heatmap`:
+    the per-position activity of the first `heatmap_examples` sequences (`activity_examples`).
     """
     sums: dict[str, list[torch.Tensor]] = {"inactive_activity": [], "eos_noise": [], "oracle_shift": [], "oracle_flip": []}
     all_regions, all_owners, activities = [], [], []  # per batch: (B, L+1), (B, L+1), (k, B, L+1)
@@ -110,6 +140,8 @@ def composition_noise(composed, spec, eval_set, fmt, tokenizer, batch_size: int,
         own[name] = float(activity[index][mask].mean()) if mask.any() else None
     result["own_segment_activity"] = own
     result["epsilon"] = epsilon
+    result["experts"] = list(composed.expert_names)
+    result["heatmap"] = activity_examples(activity, owners, list(eval_set.targets), heatmap_examples)
     return result
 
 

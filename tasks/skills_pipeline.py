@@ -26,6 +26,7 @@ training rates) and `joint`.
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
@@ -112,6 +113,19 @@ class SkillsTaskSettings(SkillsTaskSpec):
         from tasks.skills_analysis import failure_section
 
         return {"skills_failures": failure_section}
+
+    def plots(self, results: dict, out_dir) -> list[str]:
+        """`activity.png`: the plain composition's per-position expert activity on a few joint inputs."""
+        from analysis.report import plot_activity_heatmap
+
+        noise = results.get("skills_failures", {}).get("noise", {}).get(JOINT)
+        if not noise or not noise.get("heatmap"):
+            return []
+        plot_activity_heatmap(
+            noise["heatmap"], noise["experts"], Path(out_dir) / "activity.png",
+            intervals_label="the expert's own segment, markers included",
+        )
+        return ["activity.png"]
 
     def check_lengths(self, main_length: int, lengths: Sequence[int]) -> None:
         """Every joint split and curve must hold one segment per expert."""

@@ -42,7 +42,7 @@ def test_config_is_the_skills_task_at_k_3():
 
 def test_outputs_and_results_schema(skills_run):
     config, out_dir, results = skills_run
-    assert {p.name for p in out_dir.iterdir()} >= {"results.json", "results.md", "length.png", "config.yaml"}
+    assert {p.name for p in out_dir.iterdir()} >= {"results.json", "results.md", "length.png", "activity.png", "config.yaml"}
     assert load_config(out_dir / "config.yaml") == config  # the resolved config, task type included
     singles = {"base"} | {f"expert:{n}{s}" for n in EXPERTS for s in ("", ":lora")}
     assert set(results["systems"]) == singles | {"compose", "compose:lora", "merge:task_arithmetic", "merge:ties"} | REMEDIES
@@ -89,6 +89,13 @@ def test_noise_section(skills_run):
         assert all(value is None or value >= -1e-6 for value in record["oracle_shift"].values())
         assert 0 <= record["coactivation_rate"] <= 1 and 0 <= record["spurious_activity_rate"] <= 1
         assert set(record["own_segment_activity"]) == {"expert_0", "expert_1", "expert_2"}
+    # The heatmap of activity.png: 3 sequences, 3 experts x (L + 1) steps, one segment per expert.
+    heatmap = noise["joint"]["heatmap"]
+    assert noise["joint"]["experts"] == ["expert_0", "expert_1", "expert_2"] and len(heatmap) == 3
+    for row in heatmap:
+        assert len(row["activity"]) == 3 and all(len(values) == 11 for values in row["activity"])
+        assert row["next_tokens"][-1] == "<eos>" and len(row["next_tokens"]) == 11
+        assert all(0 <= start < stop <= 10 for start, stop in row["intervals"])
 
 
 def test_checkpoints_are_shared_across_k(skills_run):

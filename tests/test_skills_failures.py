@@ -169,3 +169,17 @@ def test_spurious_activity_rate_golden():
     # Silent pairs: expert 0 at steps 1, 2 and expert 1 at steps 0, 1, 2; active among them: (0, 2), (1, 1).
     assert spurious_activity_rate(activity, owners, epsilon=0.1) == pytest.approx(2 / 5)
     assert spurious_activity_rate(activity, owners, epsilon=0.25) == pytest.approx(1 / 5)
+
+
+def test_activity_examples_golden():
+    from tasks.skills_analysis import activity_examples
+
+    # 2 sequences of 4 characters + EOS; expert 0 owns steps 1-2 of sequence 0, expert 1 owns none there.
+    owners = torch.tensor([[-1, 0, 0, -1, -1], [1, 1, -1, 0, -1]])
+    activity = torch.arange(20, dtype=torch.float32).view(2, 2, 5)  # (k, B, L+1)
+    rows = activity_examples(activity, owners, ["a[b]", "<c>d"], examples=5)
+    assert [row["sequence"] for row in rows] == [0, 1]
+    assert rows[0]["intervals"] == [[1, 3], None] and rows[1]["intervals"] == [[3, 4], [0, 2]]
+    assert rows[0]["activity"] == [[0.0, 1.0, 2.0, 3.0, 4.0], [10.0, 11.0, 12.0, 13.0, 14.0]]
+    assert rows[1]["next_tokens"] == ["<", "c", ">", "d", "<eos>"]
+    assert len(activity_examples(activity, owners, ["a[b]", "<c>d"], examples=1)) == 1
