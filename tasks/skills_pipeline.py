@@ -121,8 +121,10 @@ class SkillsTaskSettings(SkillsTaskSpec):
         noise = results.get("skills_failures", {}).get("noise", {}).get(JOINT)
         if not noise or not noise.get("heatmap"):
             return []
+        # The composed experts are the first k skills, in order: label the rows with the skills' names.
+        names = self.joint if len(self.joint) == len(noise["experts"]) else noise["experts"]
         plot_activity_heatmap(
-            noise["heatmap"], noise["experts"], Path(out_dir) / "activity.png",
+            noise["heatmap"], names, Path(out_dir) / "activity.png",
             intervals_label="the expert's own segment, markers included",
         )
         return ["activity.png"]

@@ -1,7 +1,7 @@
 """Compose k = 2, 3, 4, 6 experts: one `mergecompose compare` run per config, then accuracy against k.
 
     mergecompose skills-sweep configs/skills_k2.yaml configs/skills_k3.yaml configs/skills_k4.yaml \\
-        configs/skills_k6.yaml --out runs/skills [--expert-noise 0.5]
+        configs/skills_k6.yaml --out runs/skills [--expert-noise 0.35]
 
 Each config runs in `OUT/<name>/` with `OUT/<name>/checkpoints` a link to the shared
 `OUT/checkpoints`: the base and expert i do not depend on k (`SkillsTaskSettings.data_recipe`),
@@ -9,7 +9,7 @@ so they are trained once, by the first config that needs them. `--expert-noise` 
 imperfect-expert variant (noise on every full expert's task vector, added after training), and
 `--checkpoints DIR` reuses another sweep's checkpoints (`OUT/checkpoints` becomes a link to DIR):
 
-    mergecompose skills-sweep configs/skills_k*.yaml --out runs/skills_noisy --expert-noise 0.5 \
+    mergecompose skills-sweep configs/skills_k*.yaml --out runs/skills_noisy --expert-noise 0.35 \
         --checkpoints runs/skills/checkpoints
 
 Writes `OUT/summary.json`, `OUT/summary.md` and `OUT/accuracy_vs_k.png`:
