@@ -72,6 +72,10 @@ class TaskSettings(_Strict):
         """Task-specific plots beside `length.png`; the letters task has none."""
         return []
 
+    def max_target_length(self, length: int) -> int:
+        """The longest target of an input of `length` characters: letter replacement keeps lengths."""
+        return length
+
     def data_recipe(self) -> dict | None:
         return None  # the alphabet and lengths, already in every checkpoint's recipe, fix the data
 
@@ -285,6 +289,13 @@ class CompareConfig(_Strict):
             raise ValueError("`positions.scheme: coupled` is for seq2seq; the aligned formulation needs `contiguous`")
         if isinstance(self.task, SkillsTaskSettings):
             self.task.check_lengths(self.eval_length, self.evaluation.lengths)
+            changing = self.task.length_changing()
+            if changing and self.positions.scheme == "coupled":
+                raise ValueError(
+                    f"skills {changing} change the length of their segment; `positions.scheme: coupled` gives y_k the "
+                    "position of x_k and needs length-preserving transforms (reverse, shift, mirror, swap_pairs, rotate); "
+                    "use `positions: {scheme: contiguous}` for these"
+                )
         longest = max([*self.evaluation.lengths, self.eval_length, self.task.train_lengths[1]])
         # seq2seq: room for two generated tokens past the target's <eos> (the greedy check).
         needed = self.slots_needed(longest) + (2 if self.task.formulation == "seq2seq" else 0)
@@ -316,7 +327,9 @@ class CompareConfig(_Strict):
     def slots_needed(self, length: int) -> int:
         if self.task.formulation == "aligned":
             return length
-        return length + 1 if self.positions.scheme == "coupled" else 2 * length + 2
+        if self.positions.scheme == "coupled":
+            return length + 1
+        return length + 2 + self.task.max_target_length(length)
 
 
 def load_config(path: str | Path) -> CompareConfig:

@@ -108,11 +108,16 @@ class SequenceFormat:
 
     # ------------------------------------------------------------------ one example
 
-    def n_slots(self, length: int) -> int:
-        """How many distinct positions an example with `length` source characters uses."""
+    def n_slots(self, length: int, target_length: int | None = None) -> int:
+        """How many distinct positions an example with `length` source characters uses.
+
+        `target_length` (default `length`) matters only for contiguous seq2seq, the one
+        layout where a target may be longer or shorter than its source."""
         if self.formulation == "aligned":
             return length
-        return length + 1 if self.positions == "coupled" else 2 * length + 2
+        if self.positions == "coupled":
+            return length + 1
+        return length + 2 + (length if target_length is None else target_length)
 
     def example(self, source: Sequence[int], target: Sequence[int], rng: random.Random | None = None):
         """(ids, positions, labels) lists of one training (`rng` given) or scoring example."""
@@ -122,7 +127,7 @@ class SequenceFormat:
                 f"the {self.formulation} / {self.positions} format needs a target as long as its source, "
                 f"got {len(target)} and {length} tokens"
             )
-        slots = self._slots(length, rng)
+        slots = self._slots(length, rng, len(target))
         if self.formulation == "aligned":
             return list(source), slots, list(target)
         ids = [*source, self.eos_id, self.sep_id, *target]
@@ -133,11 +138,12 @@ class SequenceFormat:
             positions = slots[: len(ids)]
         return ids, positions, labels
 
-    def _slots(self, length: int, rng: random.Random | None) -> list[int]:
-        n_slots = self.n_slots(length)
+    def _slots(self, length: int, rng: random.Random | None, target_length: int | None = None) -> list[int]:
+        n_slots = self.n_slots(length, target_length)
         if n_slots > self.max_position:
             raise ValueError(
-                f"a string of length {length} needs {n_slots} positions, more than `max_position` = {self.max_position}"
+                f"a string of length {length} (target {target_length if target_length is not None else length}) needs "
+                f"{n_slots} positions, more than `max_position` = {self.max_position}"
             )
         if rng is not None and self.randomize:
             return slot_positions(n_slots, rng, self.max_position)

@@ -42,16 +42,19 @@ class Transform:
     apply: Callable[[str, str, int], str]
     preserves_length: bool
     description: str
+    growth: int = 1  # the most the transform multiplies a segment's length by
 
 
 TRANSFORMS: dict[str, Transform] = {}
 
 
-def register_transform(name: str, preserves_length: bool, description: str):
+def register_transform(name: str, preserves_length: bool, description: str, growth: int = 1):
     def decorator(function: Callable[[str, str, int], str]):
         if name in TRANSFORMS:
             raise ValueError(f"transform {name!r} is already registered")
-        TRANSFORMS[name] = Transform(name, function, preserves_length, description)
+        if growth < 1:
+            raise ValueError(f"`growth` must be >= 1, got {growth}")
+        TRANSFORMS[name] = Transform(name, function, preserves_length, description, growth)
         return function
 
     return decorator
@@ -99,7 +102,7 @@ def _rotate(content: str, alphabet: str, amount: int) -> str:
     return content[amount:] + content[:amount]
 
 
-@register_transform("double", False, "write each letter twice: ABC -> AABBCC (changes the length)")
+@register_transform("double", False, "write each letter twice: ABC -> AABBCC (changes the length)", growth=2)
 def _double(content: str, alphabet: str, amount: int) -> str:
     return "".join(c + c for c in content)
 

@@ -72,8 +72,9 @@ def activity_examples(activity: torch.Tensor, owners: torch.Tensor, targets: lis
     """The per-position activity of the first `examples` sequences, for `analysis.report.plot_activity_heatmap`.
 
     Args:
-        activity: `(k, B, L+1)` KL(p_i ‖ p_b) per expert and output step (the last step is EOS).
-        owners: `(B, L+1)` the owning expert per step or -1.
+        activity: `(k, B, W)` KL(p_i ‖ p_b) per expert and output step; row b's steps are its
+            target's characters, then EOS, then padding up to W (cut off here).
+        owners: `(B, W)` the owning expert per step or -1.
         targets: the B target strings.
     Returns:
         One dict per sequence: `activity` (k lists of L+1 floats), `next_tokens` (the target
@@ -88,11 +89,16 @@ def activity_examples(activity: torch.Tensor, owners: torch.Tensor, targets: lis
             intervals.append([int(steps.min()), int(steps.max()) + 1] if len(steps) else None)
         rows.append({
             "sequence": index,
-            "activity": activity[:, index].tolist(),
+            "activity": activity[:, index, : len(targets[index]) + 1].tolist(),
             "next_tokens": [*targets[index], "<eos>"],
             "intervals": intervals,
         })
     return rows
+
+
+def _pad_steps(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad the last (step) dimension to `width` with zeros (False for bool)."""
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
 
 
 @torch.no_grad()
@@ -107,33 +113,39 @@ def composition_noise(
     the per-position activity of the first `heatmap_examples` sequences (`activity_examples`).
     """
     sums: dict[str, list[torch.Tensor]] = {"inactive_activity": [], "eos_noise": [], "oracle_shift": [], "oracle_flip": []}
-    all_regions, all_owners, activities = [], [], []  # per batch: (B, L+1), (B, L+1), (k, B, L+1)
-    _, _, regions_all, owners_all = _targets_and_regions(spec, eval_set, tokenizer)
+    # Per batch, padded to the longest target + EOS of the set (W steps): targets may differ in
+    # length (a skill such as `double` changes it); `valid` marks the real steps.
+    all_valid, activities = [], []  # (B, W), (k, B, W)
+    _, lengths_all, regions_all, owners_all = _targets_and_regions(spec, eval_set, tokenizer)
+    width = regions_all.shape[1]
     sources = encode_strings(tokenizer, eval_set.sources)
     target_ids = encode_strings(tokenizer, list(eval_set.targets))
     for start in range(0, len(sources), batch_size):
         stop = start + batch_size
         batch = fmt.batch(sources[start:stop], target_ids[start:stop])
         components = composed.component_logprobs(batch.input_ids, batch.attention_mask, batch.position_ids)  # (k+1, B, T, V)
-        labelled = batch.labels != IGNORE_INDEX  # (B, T): L+1 steps per row (the targets, then EOS)
-        steps = int(labelled.sum(-1).max())
-        if not (labelled.sum(-1) == steps).all():
-            raise ValueError(f"eval set {eval_set.name!r} mixes lengths; the noise is measured per length")
-        picked = components[:, labelled].view(components.shape[0], labelled.shape[0], steps, -1)  # (k+1, B, L+1, V)
-        owners = owners_all[start:stop, :steps]
-        regions = regions_all[start:stop, :steps]
-        noise = background_noise(picked, owners, tokenizer.eos_token_id)
+        labelled = batch.labels != IGNORE_INDEX  # (B, T): the targets, then EOS
+        first = labelled.int().argmax(-1)  # (B,) the first labelled column
+        if not (first == first[0]).all():
+            raise ValueError(f"eval set {eval_set.name!r} mixes source lengths; the noise is measured per length")
+        counts = labelled.sum(-1)  # (B,) target length + 1
+        steps = int(counts.max())
+        picked = components[:, :, int(first[0]) : int(first[0]) + steps]  # (k+1, B, steps, V)
+        valid = torch.arange(steps)[None] < counts[:, None]  # (B, steps)
+        noise = background_noise(picked, owners_all[start:stop, :steps], tokenizer.eos_token_id)
         for key in sums:
-            sums[key].append(noise[key])
-        activities.append(noise["activity"])
-        all_regions.append(regions)
-        all_owners.append(owners)
-    regions = torch.cat(all_regions)
-    owners = torch.cat(all_owners)
-    activity = torch.cat(activities, dim=1)  # (k, B, L+1)
+            sums[key].append(_pad_steps(noise[key], width))
+        activities.append(_pad_steps(noise["activity"], width))
+        all_valid.append(_pad_steps(valid, width))
+    valid = torch.cat(all_valid)  # (N, W)
+    regions = regions_all.masked_fill(~valid, -1)  # padding belongs to no region
+    owners = owners_all
+    activity = torch.cat(activities, dim=1)  # (k, N, W)
+    if not torch.equal(valid.sum(-1), lengths_all + 1):
+        raise ValueError(f"eval set {eval_set.name!r}: the labelled steps do not match the joint targets")
     result = {key: mean_by_region(torch.cat(values), regions) for key, values in sums.items()}
-    result["coactivation_rate"] = coactivation_rate(activity, epsilon)
-    result["spurious_activity_rate"] = spurious_activity_rate(activity, owners, epsilon)
+    result["coactivation_rate"] = coactivation_rate(activity, epsilon, valid)
+    result["spurious_activity_rate"] = spurious_activity_rate(activity, owners, epsilon, valid)
     own = {}
     for index, name in enumerate(composed.expert_names):
         mask = owners == index

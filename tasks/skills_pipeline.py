@@ -65,16 +65,13 @@ class SkillsTaskSettings(SkillsTaskSpec):
     activity_epsilon: float = Field(0.1, ge=0)
     failure_margin: int = Field(8, ge=1)
 
-    @model_validator(mode="after")
-    def _length_preserving(self):
-        # The coupled position scheme gives y_k the position of x_k: a target must be as long as its input.
-        changing = [s.name for s in self.skills if not get_transform(s.transform).preserves_length]
-        if changing:
-            raise ValueError(
-                f"skills {changing} change the length of their segment; the seq2seq format with coupled "
-                "positions needs length-preserving transforms (reverse, shift, mirror, swap_pairs, rotate)"
-            )
-        return self
+    def length_changing(self) -> list[str]:
+        """The composed skills whose transform changes a segment's length (e.g. `double`)."""
+        return [s.name for s in self.experts if not get_transform(s.transform).preserves_length]
+
+    def max_target_length(self, length: int) -> int:
+        """The longest target (joint or one expert's) of an input of `length` characters."""
+        return length * max(get_transform(s.transform).growth for s in self.experts)
 
     @property
     def joint(self) -> list[str]:

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
+from tasks.compare import run_compare
 from tasks.components import prepare_components
 from tasks.config import CompareConfig, load_config
 from tasks.skills_sweep import load_sweep_configs, run_skills_sweep, summarize, summary_markdown
@@ -156,3 +158,43 @@ def test_sweep_configs_are_checked(tmp_path):
         load_sweep_configs([CONFIG, renamed])
     noisy = load_sweep_configs([CONFIG], expert_noise=0.5)
     assert noisy[0].task.expert_noise == 0.5
+
+
+def _double_config(scheme: str) -> dict:
+    """The k = 3 test config with `double` as the third skill (it changes the output's length)."""
+    data = yaml.safe_load(CONFIG.read_text())
+    data["name"] = "skills_double_test"
+    data["task"]["skills"][2] = {"name": "double", "open": "{", "close": "}", "transform": "double"}
+    data["positions"] = {"scheme": scheme, "randomize": False, "max_position": 96}
+    data["model"]["max_position_embeddings"] = 96
+    data["training"]["experts"]["lora"] = None
+    data["merges"] = {"task_arithmetic": {"lam": [1.0]}}
+    data["remedies"] = {"gate": {"gate": 0.1}, "eos_base": {"termination": "base"}}
+    return data
+
+
+def test_a_length_changing_skill_needs_contiguous_positions():
+    with pytest.raises(ValueError, match=r"skills \['double'\] change the length of their segment; `positions.scheme: coupled`"):
+        CompareConfig.model_validate(_double_config("coupled"))
+    config = CompareConfig.model_validate(_double_config("contiguous"))
+    assert config.slots_needed(20) == 20 + 2 + 40  # the joint target may be twice the input
+
+
+def test_a_length_changing_skill_end_to_end(tmp_path):
+    config = CompareConfig.model_validate(_double_config("contiguous"))
+    results = run_compare(config, tmp_path / "run", progress=False, echo=None)
+    targets = [len(t) for t in config.task.eval_data(config.evaluation, config.eval_length, 10).test["joint"].targets]
+    assert len(set(targets)) > 1 and max(targets) > config.eval_length  # targets longer than inputs, of several lengths
+    failures = results["skills_failures"]
+    for name in ["compose", "compose+gate", "compose+eos_base", "merge:task_arithmetic"]:
+        for split in ["joint", "length_20"]:
+            summary = failures["systems"][name][split]
+            scored = results["systems"][name]["splits"][split]
+            # Real greedy decoding and teacher-forced scoring agree with targets of varying length too.
+            assert summary["exact_match"] == pytest.approx(scored["exact_match"])
+            assert summary["exact_match"] + sum(summary["first_error"].values()) == pytest.approx(1.0)
+    noise = failures["noise"]["joint"]
+    for row, target in zip(noise["heatmap"], targets):
+        assert len(row["next_tokens"]) == target + 1 and all(len(values) == target + 1 for values in row["activity"])
+    assert 0 <= noise["coactivation_rate"] <= 1 and noise["inactive_activity"]["end"] is not None
+    assert (tmp_path / "run" / "activity.png").is_file()

@@ -33,9 +33,12 @@ def sequence_format(tokenizer) -> SequenceFormat:
     return SequenceFormat("seq2seq", "coupled", True, 128, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.sep_token_id)
 
 
-def test_length_changing_skills_are_refused_for_coupled_positions():
-    with pytest.raises(ValueError, match=r"skills \['dbl'\] change the length"):
-        settings(skills=[*SKILLS, {"name": "dbl", "open": "/", "close": "|", "transform": "double"}])
+def test_length_changing_skills_and_the_longest_target():
+    dbl = {"name": "dbl", "open": "/", "close": "|", "transform": "double"}
+    assert settings(skills=[*SKILLS, dbl]).length_changing() == []  # k = 3: dbl is not composed
+    spec = settings(skills=[dbl, *SKILLS])
+    assert spec.length_changing() == ["dbl"]
+    assert spec.max_target_length(10) == 20 and settings().max_target_length(10) == 10
 
 
 def test_checkpoint_recipe_does_not_depend_on_k_or_the_analysis():
