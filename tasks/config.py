@@ -76,6 +76,10 @@ class TaskSettings(_Strict):
         """The longest target of an input of `length` characters: letter replacement keeps lengths."""
         return length
 
+    def generation_margin(self) -> int:
+        """Tokens greedy decoding may generate past a target: two, for the greedy check."""
+        return 2
+
     def data_recipe(self) -> dict | None:
         return None  # the alphabet and lengths, already in every checkpoint's recipe, fix the data
 
@@ -297,8 +301,8 @@ class CompareConfig(_Strict):
                     "use `positions: {scheme: contiguous}` for these"
                 )
         longest = max([*self.evaluation.lengths, self.eval_length, self.task.train_lengths[1]])
-        # seq2seq: room for two generated tokens past the target's <eos> (the greedy check).
-        needed = self.slots_needed(longest) + (2 if self.task.formulation == "seq2seq" else 0)
+        # seq2seq: room for the tokens greedy decoding may generate past the target (the task's margin).
+        needed = self.slots_needed(longest) + (self.task.generation_margin() if self.task.formulation == "seq2seq" else 0)
         if needed > self.positions.max_position:
             raise ValueError(
                 f"`positions.max_position` = {self.positions.max_position} is too small for strings of length "

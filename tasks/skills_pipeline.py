@@ -69,6 +69,10 @@ class SkillsTaskSettings(SkillsTaskSpec):
         """The composed skills whose transform changes a segment's length (e.g. `double`)."""
         return [s.name for s in self.experts if not get_transform(s.transform).preserves_length]
 
+    def generation_margin(self) -> int:
+        """Tokens greedy decoding may generate past a target: the failure analysis runs `failure_margin` past it."""
+        return max(2, self.failure_margin)
+
     def max_target_length(self, length: int) -> int:
         """The longest target (joint or one expert's) of an input of `length` characters."""
         return length * max(get_transform(s.transform).growth for s in self.experts)

@@ -178,6 +178,13 @@ def test_a_length_changing_skill_needs_contiguous_positions():
         CompareConfig.model_validate(_double_config("coupled"))
     config = CompareConfig.model_validate(_double_config("contiguous"))
     assert config.slots_needed(20) == 20 + 2 + 40  # the joint target may be twice the input
+    # The failure analysis decodes `failure_margin` (8) tokens past the target: 62 + 8 positions.
+    tight = _double_config("contiguous")
+    tight["positions"]["max_position"] = 69
+    with pytest.raises(ValueError, match=r"`positions.max_position` = 69 is too small for strings of length 20 \(needs 70\)"):
+        CompareConfig.model_validate(tight)
+    tight["positions"]["max_position"] = 70
+    CompareConfig.model_validate(tight)
 
 
 def test_a_length_changing_skill_end_to_end(tmp_path):
