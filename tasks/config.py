@@ -29,9 +29,10 @@ class _Strict(BaseModel):
 class TaskSettings(_Strict):
     """The letter-replacement task: skills as data (name -> {source: replacement}).
 
-    A task type gives the pipeline `trained_skills`, `data_recipe`, `skill_recipe`,
-    `training_strings`, `eval_data`, `expert_variant`, `sections` and `plots`; the sequential-skills
-    family (`type: skills`, `tasks.skills_pipeline.SkillsTaskSettings`) is the other one.
+    A task type gives the pipeline `trained_skills`, `skill_names`, `data_recipe`, `skill_recipe`,
+    `training_strings`, `eval_data`, `expert_variant`, `sections`, `plots`, `max_target_length`
+    and `generation_margin`; the sequential-skills family (`type: skills`,
+    `tasks.skills_pipeline.SkillsTaskSettings`) is the other one.
     """
 
     type: Literal["letters"] = Field("letters", exclude=True)  # left out of dumps: hashes stay as they were

@@ -26,8 +26,8 @@ training rates) and `joint`.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Literal
 
 import torch
