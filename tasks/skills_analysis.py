@@ -62,10 +62,12 @@ def greedy_tokens(system, sources: list[list[int]], fmt, tokenizer, max_new_toke
 
 def system_failures(system, spec, eval_set, fmt, tokenizer, batch_size: int, margin: int) -> dict:
     """`failure_summary` of `system`'s real greedy outputs on `eval_set` (joint targets)."""
-    targets, lengths, regions, _ = _targets_and_regions(spec, eval_set, tokenizer)
+    targets, lengths, regions, owners = _targets_and_regions(spec, eval_set, tokenizer)
     sources = encode_strings(tokenizer, eval_set.sources)
     generated = greedy_tokens(system, sources, fmt, tokenizer, int(lengths.max()) + margin, batch_size)
-    return failure_summary(generated, targets, lengths, regions, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    return failure_summary(
+        generated, targets, lengths, regions, tokenizer.eos_token_id, tokenizer.pad_token_id, owners, spec.joint
+    )
 
 
 def activity_examples(activity: torch.Tensor, owners: torch.Tensor, targets: list[str], examples: int) -> list[dict]:

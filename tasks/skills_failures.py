@@ -16,11 +16,13 @@ Pure functions on tensors; nothing here runs a model. Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from analysis import expert_activity, kl_divergence
 from composition import compose_logprobs
-from tasks.skills import BACKGROUND, BOUNDARY, END, REGION_NAMES, SEGMENT
+from tasks.skills import BACKGROUND, BOUNDARY, END, NO_OWNER, REGION_NAMES, SEGMENT
 
 EOS_ON_TIME, EOS_EARLY, EOS_LATE, EOS_MISSING = 0, 1, 2, 3
 EOS_OUTCOME_NAMES = {EOS_ON_TIME: "on_time", EOS_EARLY: "early", EOS_LATE: "late", EOS_MISSING: "missing"}
@@ -107,6 +109,8 @@ def failure_summary(
     regions: torch.Tensor,
     eos_token_id: int,
     pad_token_id: int,
+    owners: torch.Tensor | None = None,
+    owner_names: Sequence[str] | None = None,
 ) -> dict:
     """Exact match, how rows terminated, and where (and as what) their first error fell.
 
@@ -117,7 +121,10 @@ def failure_summary(
     * `early_or_missing_eos`: `early + missing` (the issue's "early or missing EOS");
     * `first_error`: rates of `background`, `segment`, `boundary`, `end` (these and
       `exact_match` sum to 1); `end` means every character was right and the EOS was not;
-    * `first_error_is_eos`: the first wrong token was an EOS, a premature stop.
+    * `first_error_is_eos`: the first wrong token was an EOS, a premature stop;
+    * with `owners` `(B, W)` (the owning expert per step, `NO_OWNER` elsewhere) and their
+      `owner_names`: `first_error_owner`, per expert the rate of rows whose first error falls in
+      that expert's segment (its markers included).
     """
     batch = generated.shape[0]
     if batch == 0:
@@ -137,7 +144,17 @@ def failure_summary(
             REGION_NAMES[code]: float((where == code).float().mean()) for code in (BACKGROUND, SEGMENT, BOUNDARY, END)
         },
         "first_error_is_eos": float((inside & (produced_at_first == eos_token_id)).float().mean()),
+        **({} if owners is None else {"first_error_owner": _first_error_owners(first, owners, owner_names)}),
     }
+
+
+def _first_error_owners(first: torch.Tensor, owners: torch.Tensor, names: Sequence[str] | None) -> dict[str, float]:
+    _check_batch("owners", owners, 2, first.shape[0])
+    if names is None:
+        raise ValueError("`owner_names` must name the experts when `owners` is given, got None")
+    owner = owners.gather(1, first.clamp(min=0, max=owners.shape[1] - 1)[:, None].to(owners.device))[:, 0]
+    owner = torch.where(first.to(owners.device) == EXACT, NO_OWNER, owner)
+    return {name: float((owner == index).float().mean()) for index, name in enumerate(names)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -215,6 +215,21 @@ def summary_markdown(summary: dict) -> str:
         rows.append([name, *cells])
     parts += [_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
 
+    owned = [
+        (name, per_k) for name, per_k in summary["systems"].items()
+        if name.startswith("compose") and any("first_error_owner" in k.get("failures", {}).get(JOINT, {}) for k in per_k.values())
+    ]
+    if owned:
+        parts += ["Whose segment the first error falls in, on `joint` (% of inputs, each skill's markers included):", ""]
+        rows = []
+        for name, per_k in owned:
+            cells = []
+            for k in ks:
+                by_skill = per_k.get(k, {}).get("failures", {}).get(JOINT, {}).get("first_error_owner")
+                cells.append("–" if by_skill is None else " · ".join(f"{skill} {_percent(rate)}" for skill, rate in by_skill.items()))
+            rows.append([name, *cells])
+        parts += [_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
+
     parts += [
         "Background noise of the plain composition on `joint` (teacher-forced; per region: background / segment / "
         "boundary / end): Σ over non-owning experts of KL(p_i ‖ p_b); their summed EOS log-ratio; KL(oracle ‖ composed); "

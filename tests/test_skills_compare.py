@@ -126,6 +126,17 @@ def test_sweep_shares_checkpoints_and_writes_the_summary(sweep, skills_run):
         assert per_k["3"]["joint"] == results["systems"][name]["splits"]["joint"]
         assert per_k["3"]["lengths"] == {"length_20": results["systems"][name]["splits"]["length_20"]["exact_match"]}
     assert "| compose+all |" in (out_dir / "summary.md").read_text()
+    assert "Whose segment the first error falls in" in (out_dir / "summary.md").read_text()
+
+
+def test_first_errors_by_owning_skill_add_up_to_segment_and_boundary(skills_run):
+    # Owners cover a segment and its markers; background and end steps have none.
+    _, _, results = skills_run
+    for name, per_split in results["skills_failures"]["systems"].items():
+        for summary in per_split.values():
+            assert list(summary["first_error_owner"]) == EXPERTS
+            first = summary["first_error"]
+            assert sum(summary["first_error_owner"].values()) == pytest.approx(first["segment"] + first["boundary"])
 
 
 def test_summary_orders_runs_by_k():

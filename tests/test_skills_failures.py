@@ -183,3 +183,14 @@ def test_activity_examples_golden():
     assert rows[0]["activity"] == [[0.0, 1.0, 2.0, 3.0, 4.0], [10.0, 11.0, 12.0, 13.0, 14.0]]
     assert rows[1]["next_tokens"] == ["<", "c", ">", "d", "<eos>"]
     assert len(activity_examples(activity, owners, ["a[b]", "<c>d"], examples=1)) == 1
+
+
+def test_first_error_owner_golden():
+    # Steps 1-2 (the segment and its marker) belong to expert 1 ("b"); the first errors of rows 1
+    # and 4 fall at step 1, those of rows 2 and 3 at the END step (no owner), row 0 has none.
+    owners = torch.tensor([[-1, 1, 1, -1, -1]] * 5)
+    summary = failure_summary(GENERATED, TARGETS, LENGTHS, REGIONS, EOS, PAD, owners, ["a", "b"])
+    assert summary["first_error_owner"] == pytest.approx({"a": 0.0, "b": 0.4})
+    assert "first_error_owner" not in failure_summary(GENERATED, TARGETS, LENGTHS, REGIONS, EOS, PAD)
+    with pytest.raises(ValueError, match="`owner_names` must name the experts"):
+        failure_summary(GENERATED, TARGETS, LENGTHS, REGIONS, EOS, PAD, owners)
