@@ -9,8 +9,8 @@ so they are trained once, by the first config that needs them. `--expert-noise` 
 imperfect-expert variant (noise on every full expert's task vector, added after training), and
 `--checkpoints DIR` reuses another sweep's checkpoints (`OUT/checkpoints` becomes a link to DIR):
 
-    mergecompose skills-sweep configs/skills_k*.yaml --out runs/skills_noisy --expert-noise 0.35 \
-        --checkpoints runs/skills/checkpoints
+    mergecompose skills-sweep configs/skills_k2.yaml configs/skills_k3.yaml configs/skills_k4.yaml \
+        configs/skills_k6.yaml --out runs/skills_noisy --expert-noise 0.35 --checkpoints runs/skills/checkpoints
 
 Writes `OUT/summary.json`, `OUT/summary.md` and `OUT/accuracy_vs_k.png`:
 
