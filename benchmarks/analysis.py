@@ -17,7 +17,6 @@ anonymous RSS must stay flat in the number of tokens (targets: overhead ≤ 15 %
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.memory import PeakSampler, peak_rss_mib
+from benchmarks.report import write_results
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,10 +146,7 @@ def main(argv=None) -> int:
               f"{row['peak_rss_mb']:>13.0f} {row['peak_anonymous_rss_mb']:>14.0f}")
     print(f"memory growth {args.tokens[0]} -> {args.tokens[-1]} tokens: {results['memory_growth']:+.1%} (RSS), "
           f"{results['anonymous_memory_growth']:+.1%} (anonymous); targets: overhead ≤ 15 %, growth ≤ 10 %")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(results, args.out)
     return 0
 
 

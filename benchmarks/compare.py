@@ -10,12 +10,13 @@ checkpoint, the second finds them cached (same resolved config) and only evaluat
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks.report import write_results
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,10 +49,7 @@ def main(argv=None) -> int:
     print(f"{'run':<14} {'wall s':>8}")
     print(f"{'from nothing':<14} {results['from_nothing_seconds']:>8.1f}")
     print(f"{'cached':<14} {results['cached_seconds']:>8.1f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(results, args.out)
     return 0
 
 

@@ -17,7 +17,6 @@ measured for each system in its own fresh subprocess (VmHWM, see benchmarks.memo
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.memory import peak_rss_mib
+from benchmarks.report import write_results
 from transformers import AutoModelForCausalLM
 
 SYSTEMS = ["base", "full", "lora", "naive"]
@@ -248,10 +248,7 @@ def main(argv=None) -> int:
     if not args.no_memory:
         results["peak_rss_mb"] = {name: peak_rss_mb(args, name) for name in args.systems}
     print_table(results)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(results, args.out)
     return 0
 
 

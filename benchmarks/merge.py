@@ -15,7 +15,6 @@ The target: the on-disk merge's peak RSS ≤ 0.5 × the size of one input model.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.memory import PeakSampler, peak_rss_mib
+from benchmarks.report import write_results
 
 
 OUT_SHARD_BYTES = 64 * 2**20
@@ -152,10 +152,7 @@ def main(argv=None) -> int:
               f"{row['peak_anonymous_rss_mb'] / results['model_mb']:>18.2f}")
     print(f"max |disk − memory| over all tensors: {results['max_abs_difference_disk_vs_memory']:.2e}")
     print(f"target: disk peak RSS ≤ 0.5 × model size: {'met' if results['disk']['rss_over_model_size'] <= 0.5 else 'missed'}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out}")
+    write_results(results, args.out)
     return 0
 
 
