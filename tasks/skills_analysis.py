@@ -118,7 +118,7 @@ def composition_noise(
     # Per batch, padded to the longest target + EOS of the set (W steps): targets may differ in
     # length (a skill such as `double` changes it); `valid` marks the real steps.
     all_valid, activities = [], []  # (B, W), (k, B, W)
-    _, lengths_all, regions_all, owners_all = _targets_and_regions(spec, eval_set, tokenizer)
+    _, lengths_all, regions_all, owners = _targets_and_regions(spec, eval_set, tokenizer)
     width = regions_all.shape[1]
     sources = encode_strings(tokenizer, eval_set.sources)
     target_ids = encode_strings(tokenizer, list(eval_set.targets))
@@ -134,14 +134,13 @@ def composition_noise(
         steps = int(counts.max())
         picked = components[:, :, int(first[0]) : int(first[0]) + steps]  # (k+1, B, steps, V)
         valid = torch.arange(steps)[None] < counts[:, None]  # (B, steps)
-        noise = background_noise(picked, owners_all[start:stop, :steps], tokenizer.eos_token_id)
+        noise = background_noise(picked, owners[start:stop, :steps], tokenizer.eos_token_id)
         for key in sums:
             sums[key].append(_pad_steps(noise[key], width))
         activities.append(_pad_steps(noise["activity"], width))
         all_valid.append(_pad_steps(valid, width))
     valid = torch.cat(all_valid)  # (N, W)
     regions = regions_all.masked_fill(~valid, -1)  # padding belongs to no region
-    owners = owners_all
     activity = torch.cat(activities, dim=1)  # (k, N, W)
     if not torch.equal(valid.sum(-1), lengths_all + 1):
         raise ValueError(f"eval set {eval_set.name!r}: the labelled steps do not match the joint targets")
