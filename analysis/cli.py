@@ -110,7 +110,7 @@ def run_sweep_command(args) -> int:
     import torch
     from transformers.utils import logging as transformers_logging
 
-    from analysis.report import _number
+    from analysis.report import format_number
     from analysis.sweep import run_sweep
 
     if args.threads < 1:
@@ -124,10 +124,10 @@ def run_sweep_command(args) -> int:
     finally:
         torch.set_num_threads(previous)
     keys = ["pair", "mass_overlap", "mass_overlap_weighted", "sign_conflict", "linearization_error", "compose_accuracy", "merge_accuracy", "merge_method"]
-    rows = [keys] + [[_number(row[key]) for key in keys] for row in results["rows"]]
+    rows = [keys] + [[format_number(row[key]) for key in keys] for row in results["rows"]]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(keys))]
     print("\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) for row in rows))
     for name, correlation in results["statistics"]["spearman"].items():
-        print(f"Spearman {name}: rho={_number(correlation['rho'])} p={_number(correlation['p_value'])} n={correlation['n']}")
+        print(f"Spearman {name}: rho={format_number(correlation['rho'])} p={format_number(correlation['p_value'])} n={correlation['n']}")
     print(f"\nwrote {args.out}/sweep.json, sweep.md, overlap_vs_error.png, config.yaml")
     return 0

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import yaml
 
+from composition.io import markdown_table
 
-def _number(value, digits: int = 4) -> str:
+
+def format_number(value, digits: int = 4) -> str:
+    """A table cell: 4 significant digits, – for None."""
     if value is None:
         return "–"
     if isinstance(value, float):
@@ -17,12 +20,6 @@ def _number(value, digits: int = 4) -> str:
             return str(value)
         return f"{value:.{digits}g}"
     return str(value)
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(_number(cell) for cell in row) + " |" for row in rows]
-    return lines
 
 
 def expert_rows(report: dict) -> list[list]:
@@ -104,18 +101,18 @@ def markdown(results: dict) -> str:
         "",
         "## Headline",
         "",
-        *_table(HEADLINE_HEADER, headline_rows(results)),
+        *markdown_table(HEADLINE_HEADER, headline_rows(results), cell=format_number).splitlines(),
         "",
         "Co-activation by ε (teacher-forced): "
-        + ", ".join(f"ε={e}: {_number(v)}" for e, v in results["coactivation_by_epsilon"].items()),
+        + ", ".join(f"ε={e}: {format_number(v)}" for e, v in results["coactivation_by_epsilon"].items()),
         "",
         "## Experts (teacher-forced)",
         "",
-        *_table(EXPERT_HEADER, expert_rows(results)),
+        *markdown_table(EXPERT_HEADER, expert_rows(results), cell=format_number).splitlines(),
         "",
         "## Pairs (teacher-forced)",
         "",
-        *_table(PAIR_HEADER, pair_rows(results)),
+        *markdown_table(PAIR_HEADER, pair_rows(results), cell=format_number).splitlines(),
         "",
     ]
     gap = results.get("merge_compose_gap")
@@ -123,13 +120,13 @@ def markdown(results: dict) -> str:
         lines += [
             "## Merge vs compose",
             "",
-            f"KL(q‖m): mean {_number(gap['kl_mean'])}, p95 ≤ {_number(gap['kl_p95'])}, max {_number(gap['kl_max'])}; "
-            f"top-1 agreement {_number(gap['top1_agreement'])}.",
+            f"KL(q‖m): mean {format_number(gap['kl_mean'])}, p95 ≤ {format_number(gap['kl_p95'])}, max {format_number(gap['kl_max'])}; "
+            f"top-1 agreement {format_number(gap['top1_agreement'])}.",
         ]
         if "interaction_residual_rms" in gap:
             lines.append(
-                f"Interaction residual on centred logits: RMS {_number(gap['interaction_residual_rms'])}, "
-                f"relative to the composed logit change {_number(gap['interaction_residual_relative'])}."
+                f"Interaction residual on centred logits: RMS {format_number(gap['interaction_residual_rms'])}, "
+                f"relative to the composed logit change {format_number(gap['interaction_residual_relative'])}."
             )
         lines.append("")
     lines += ["## Tokens each expert moves most (mean |δ̃|)", ""]
@@ -139,7 +136,7 @@ def markdown(results: dict) -> str:
     lines += ["", "## Example positions (reservoir sample)", ""]
     for example in results["reservoir"][:8]:
         context = "".join(str(t) for t in example.get("context", []))
-        activity = ", ".join(_number(a, 3) for a in example["activity"])
+        activity = ", ".join(format_number(a, 3) for a in example["activity"])
         tops = "; ".join(f"{name}: {' '.join(repr(str(t)) for t, _ in top[:3])}" for name, top in example["top"].items())
         lines.append(f"- `{context!r}` → {example.get('next_token', '')!r}; activity [{activity}]; top-3 {tops}")
     lines.append("")
@@ -154,9 +151,7 @@ def terminal_table(results: dict) -> str:
         (EXPERT_HEADER, expert_rows(results)),
         (PAIR_HEADER, pair_rows(results)),
     ]:
-        cells = [header] + [[_number(c) for c in row] for row in rows]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-        blocks.append("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in cells))
+        blocks.append(markdown_table(header, rows, cell=format_number, pad=True))
     return "\n\n".join(blocks)
 
 

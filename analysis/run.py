@@ -117,7 +117,7 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     existing one is refused unless `config.overwrite`. Returns the overlap.json content.
     """
     from merging import merge
-    from merging.io import atomic_output_dir, refuse_existing
+    from composition.io import atomic_output_dir, refuse_existing
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from composition import ComposedLM

@@ -30,6 +30,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tqdm.auto import tqdm
 
+from analysis.report import format_number, json_safe
+from composition.io import atomic_write_text, markdown_table
 from analysis.letters import measure_letter_pair, pair_replacements, pair_strings
 from analysis.streaming import OverlapSettings
 from analysis.sweep_stats import plot_overlap_against_error, spearman, two_by_two
@@ -327,33 +329,26 @@ def _statistics(rows: list[dict], success_threshold: float) -> dict:
 
 
 def _write(out_dir: Path, results: dict, config: SweepConfig) -> None:
-    from analysis.report import json_safe
-
     files = {
         "sweep.json": json.dumps(json_safe(results), indent=1, allow_nan=False),
         "sweep.md": sweep_markdown(results),
         "config.yaml": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
     }
     for name, text in files.items():
-        temporary = out_dir / f".{name}.tmp"
-        temporary.write_text(text)
-        os.replace(temporary, out_dir / name)
+        atomic_write_text(out_dir / name, text)
     for x_key, file in (("mass_overlap", "overlap_vs_error.png"), ("mass_overlap_weighted", "overlap_weighted_vs_error.png")):
-        temporary = out_dir / f".{file}.tmp.png"
         rho = {
             kind: results["statistics"]["spearman"][f"{x_key} vs {kind}_error"]["rho"] for kind in ("compose", "merge")
         }
         shown = {kind: "undefined" if value is None else f"{value:.2f}" for kind, value in rho.items()}
         plot_overlap_against_error(
-            results["rows"], x_key, {"composition": "compose_error", "best merge": "merge_error"}, temporary,
+            results["rows"], x_key, {"composition": "compose_error", "best merge": "merge_error"}, out_dir / file,
             f"{x_key} against joint-task error; Spearman ρ: composition {shown['compose']}, merge {shown['merge']}",
         )
-        os.replace(temporary, out_dir / file)
 
 
 def sweep_markdown(results: dict) -> str:
     """sweep.md: the per-pair table, the correlations and the 2×2 tables."""
-    from analysis.report import _number, _table
 
     columns = [
         ("pair", "pair"), ("conflict", "conflict"), ("O (median)", "mass_overlap"), ("O (weighted)", "mass_overlap_weighted"),
@@ -363,28 +358,30 @@ def sweep_markdown(results: dict) -> str:
         ("merge acc.", "merge_accuracy"), ("merge", "merge_method"),
     ]
     lines = [f"# Overlap sweep: {results['config']['name']}", "", f"{len(results['rows'])} pairs; {results['seconds']} s.", ""]
-    lines += _table([c for c, _ in columns], [[row[key] for _, key in columns] for row in results["rows"]])
+    lines += markdown_table([c for c, _ in columns], [[row[key] for _, key in columns] for row in results["rows"]], cell=format_number).splitlines()
     lines += ["", "## Spearman correlations", ""]
-    lines += _table(
+    lines += markdown_table(
         ["x vs y", "ρ", "p", "n"],
         [[name, c["rho"], c["p_value"], c["n"]] for name, c in results["statistics"]["spearman"].items()],
-    )
+        cell=format_number,
+    ).splitlines()
     for key, title in (("two_by_two", "median centre"), ("two_by_two_weighted", "base-weighted median centre")):
         table = results["statistics"][key]
         lines += [
             "",
             f"## 2×2: overlap ({title}) × linearization error KL(q‖m), against success (accuracy ≥ {table['success_threshold']})",
             "",
-            f"Splits at the medians: overlap {_number(table['overlap_split'])}, linearization {_number(table['linearization_split'])}.",
+            f"Splits at the medians: overlap {format_number(table['overlap_split'])}, linearization {format_number(table['linearization_split'])}.",
             "",
         ]
-        lines += _table(
+        lines += markdown_table(
             ["cell", "n", "compose success", "merge success", "compose acc. mean", "merge acc. mean", "pairs"],
             [
                 [cell, c["n"], c["compose_success"], c["merge_success"], c["compose_accuracy_mean"], c["merge_accuracy_mean"], ", ".join(c["pairs"])]
                 for cell, c in table["cells"].items()
             ],
-        )
+            cell=format_number,
+        ).splitlines()
     choices = {key: record["conflict_choices"] for key, record in results["pairs"].items() if record["conflict_choices"]["compose"]}
     if choices:
         lines += ["", "## Conflicting letters: what each system wrote there", ""]

@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 
 from scipy.stats import spearmanr
 
+from composition.io import atomic_save_figure
+
 
 def spearman(rows: Sequence[Mapping], x_key: str, y_key: str) -> dict:
     """Spearman's rank correlation ρ between `row[x_key]` and `row[y_key]` (ties get average ranks).
@@ -99,5 +101,7 @@ def plot_overlap_against_error(rows: Sequence[Mapping], x_key: str, y_keys: Mapp
     axis.set_ylabel("joint-task error (1 − exact match)")
     axis.set_title(title, fontsize=9)
     axis.legend(fontsize=8)
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(figure)
+    try:
+        atomic_save_figure(figure, path, bbox_inches="tight")
+    finally:
+        plt.close(figure)

@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from merging.io import atomic_output_dir, refuse_existing
+from composition.io import atomic_output_dir, refuse_existing
 from merging.merge import MERGEKIT_MODE
 from merging.registry import get_method
 from merging.settings import MergeSettings

@@ -1,51 +1,13 @@
-"""Files at the edge: atomic output folders and lazy reads of safetensors checkpoints."""
+"""Lazy reads of safetensors checkpoints, tensor by tensor (atomic writes: `composition.io`)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-
-
-def refuse_existing(out_dir: str | os.PathLike, overwrite: bool) -> Path:
-    """Return `out_dir` as a Path; raise if it exists and `overwrite` is False."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"`out_dir` {str(out_dir)!r} already exists; pass overwrite=True to replace it")
-    return out_dir
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder next to `out_dir`; on success rename it to `out_dir`.
-
-    On an exception the temporary folder is removed and `out_dir` is left as it was (absent, or
-    the old folder when overwriting). An existing `out_dir` is refused unless `overwrite=True`.
-    """
-    out_dir = refuse_existing(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    temporary.mkdir()
-    try:
-        yield temporary
-        refuse_existing(out_dir, overwrite)  # something may have appeared meanwhile
-        if out_dir.exists():
-            trash = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(out_dir, trash)
-            os.replace(temporary, out_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(temporary, out_dir)
-    finally:
-        if temporary.exists():
-            shutil.rmtree(temporary, ignore_errors=True)
 
 
 class SafetensorsCheckpoint:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm.auto import tqdm
 
 from composition.adapters import check_adapter_fits, read_adapter
-from merging.io import atomic_output_dir, refuse_existing
+from composition.io import atomic_output_dir, refuse_existing
 from merging.task_vector import check_same_shape, compute_dtype, state_dict_of
 
 

@@ -10,7 +10,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from merging.io import atomic_output_dir, refuse_existing
+from composition.io import atomic_output_dir, refuse_existing
 from merging.registry import get_method
 from merging.task_vector import TaskVector, check_same_shape, is_mergeable, share_updates_of_tied, state_dict_of
 

@@ -32,6 +32,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from composition import ComposedLM
+from composition.io import atomic_write_text
 from tasks.components import Components, prepare_components
 from tasks.config import CompareConfig, fingerprint
 from tasks.evaluate import (
@@ -44,7 +45,7 @@ from tasks.evaluate import (
     summary,
 )
 from tasks.letters import JOINT
-from tasks.report import format_tables, plot_lengths, write_markdown, write_text_atomically
+from tasks.report import format_tables, plot_lengths, write_markdown
 from tasks.skills_remedies import remedy_system_name
 
 BAR = 0.99  # the bar for components and for the composition
@@ -147,8 +148,8 @@ def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
     timings["total"] = round(time.perf_counter() - started, 2)
     results["timings"] = timings
 
-    write_text_atomically(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    write_text_atomically(out_dir / "results.json", json.dumps(results, indent=1))
+    atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1))
     write_markdown(results, out_dir / "results.md")
     plot_lengths(results, out_dir / "length.png")
     plots = ["length.png", *config.task.plots(results, out_dir)]
@@ -231,7 +232,7 @@ def _select_merges(config: CompareConfig, components: Components, data: EvalData
             record["validation"].append({**params, "mean_exact_match": value})
             if value > record["validation_exact_match"]:
                 record.update(chosen=dict(params), validation_exact_match=value)
-        write_text_atomically(cache, json.dumps(selection, indent=1))
+        atomic_write_text(cache, json.dumps(selection, indent=1))
     return {
         method: {**record, "cached": cached, "model": merged_model(method, record["chosen"])}
         for method, record in selection.items()

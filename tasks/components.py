@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +21,7 @@ from pathlib import Path
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from composition.io import atomic_output_dir
 from tasks.config import CompareConfig, TrainingSettings, fingerprint
 from tasks.formats import SequenceFormat
 from tasks.models import build_model, lora_config
@@ -115,7 +113,9 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
         target = root / f"{label}-{digest}"
         cached = (target / "training.json").is_file()
         if not cached:
-            _write_atomically(target, lambda folder: _finish(folder, recipe, make(folder), tokenizer))
+            # overwrite: an unfinished folder from an interrupted run (no training.json) is replaced.
+            with atomic_output_dir(target, overwrite=True) as folder:
+                _finish(folder, recipe, make(folder), tokenizer)
         record = json.loads((target / "training.json").read_text())
         training[label] = {"fingerprint": digest, "cached": cached, "path": str(target), "log": record["log"]}
         return target
@@ -172,16 +172,3 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
 def _finish(folder: Path, recipe: dict, log: dict, tokenizer) -> None:
     tokenizer.save_pretrained(str(folder))
     (folder / "training.json").write_text(json.dumps({"recipe": recipe, "log": log}, indent=1))
-
-
-def _write_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """Fill a temporary folder next to `target`, then rename it to `target`."""
-    temporary = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        write(temporary)
-        if target.exists():  # an unfinished folder from an interrupted run (no training.json)
-            shutil.rmtree(target)
-        os.replace(temporary, target)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise

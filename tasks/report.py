@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
-
-def write_text_atomically(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename it over `path`."""
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+from composition.io import atomic_save_figure, atomic_write_text, markdown_table
 
 
 def _percent(value: float) -> str:
@@ -28,12 +16,6 @@ def _cell(record: dict) -> str:
     return f"{_percent(record['exact_match'])} [{_percent(low)}, {_percent(high)}]"
 
 
-def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
-    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *[line(r) for r in rows]])
-
-
 def splits_table(results: dict) -> str:
     """Systems × test splits: exact match % [95 % CI], scored against the joint target."""
     systems = results["systems"]
@@ -41,7 +23,7 @@ def splits_table(results: dict) -> str:
     sizes = {split: next(iter(systems.values()))["splits"][split]["n"] for split in splits}
     header = ["system", *[f"{split} (n={sizes[split]})" for split in splits]]
     rows = [[name, *[_cell(record["splits"][split]) for split in splits]] for name, record in systems.items()]
-    return _markdown_table(header, rows)
+    return markdown_table(header, rows, pad=True)
 
 
 def length_table(results: dict) -> str:
@@ -53,7 +35,7 @@ def length_table(results: dict) -> str:
         [name, record["target"], *[_percent(record["by_length"][length]) for length in lengths]]
         for name, record in systems.items()
     ]
-    return _markdown_table(header, rows)
+    return markdown_table(header, rows, pad=True)
 
 
 def format_tables(results: dict) -> str:
@@ -96,7 +78,7 @@ def write_markdown(results: dict, path: Path) -> None:
             [method, str(record["chosen"]), _percent(record["validation_exact_match"])]
             for method, record in results["merges"].items()
         ]
-        parts += [_markdown_table(["method", "chosen", "validation exact match %"], rows), ""]
+        parts += [markdown_table(["method", "chosen", "validation exact match %"], rows), ""]
     if results["skipped"]:
         parts += ["## Not evaluated", ""]
         parts += [f"- `{name}`: {reason}" for name, reason in results["skipped"].items()]
@@ -107,7 +89,7 @@ def write_markdown(results: dict, path: Path) -> None:
          ("pass" if bar["passed"] else "FAIL") if bar["applies"] else "–"]
         for bar in results["bars"]
     ]
-    parts += [_markdown_table(["bar", "value %", "n", "applies", "result"], rows), ""]
+    parts += [markdown_table(["bar", "value %", "n", "applies", "result"], rows), ""]
     checks = [
         (name, check) for name, record in results["systems"].items() for check in record.get("greedy_check", [])
     ]
@@ -127,9 +109,9 @@ def write_markdown(results: dict, path: Path) -> None:
          "yes" if record["cached"] else "no"]
         for name, record in results["training"].items()
     ]
-    parts += [_markdown_table(["component", "steps", "final loss", "seconds", "cached"], rows), ""]
+    parts += [markdown_table(["component", "steps", "final loss", "seconds", "cached"], rows), ""]
     parts += ["## Timings (seconds)", "", ", ".join(f"{k}: {v}" for k, v in results["timings"].items()), ""]
-    write_text_atomically(path, "\n".join(parts))
+    atomic_write_text(path, "\n".join(parts))
 
 
 def plot_lengths(results: dict, path: Path) -> None:
@@ -155,11 +137,7 @@ def plot_lengths(results: dict, path: Path) -> None:
     axis.set_title(f"{results['config']['name']}: exact match by length (own target)")
     axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: lines often overlap at 0 and 100
     figure.tight_layout()
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(handle)
     try:
-        figure.savefig(temporary, dpi=120)
-        os.replace(temporary, path)
+        atomic_save_figure(figure, path)
     finally:
         plt.close(figure)
-        Path(temporary).unlink(missing_ok=True)

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from composition.io import atomic_save_figure, atomic_write_text, markdown_table
+
 from tasks.compare import run_compare
 from tasks.config import CompareConfig, fingerprint, load_config
-from tasks.report import write_text_atomically
 from tasks.skills_pipeline import SkillsTaskSettings
 
 JOINT = "joint"
@@ -107,8 +107,8 @@ def run_skills_sweep(
     summary = summarize(list(runs.values()))
     summary["configs_hash"] = key
     summary["runs"] = {name: str(out_dir / name) for name in runs}
-    write_text_atomically(summary_path, json.dumps(summary, indent=1))
-    write_text_atomically(out_dir / "summary.md", summary_markdown(summary))
+    atomic_write_text(summary_path, json.dumps(summary, indent=1))
+    atomic_write_text(out_dir / "summary.md", summary_markdown(summary))
     plot_accuracy_against_k(summary, out_dir / "accuracy_vs_k.png")
     if echo is not None:
         echo(summary_markdown(summary))
@@ -162,11 +162,6 @@ def _percent(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
 def summary_markdown(summary: dict) -> str:
     ks = [str(k) for k in summary["ks"]]
     parts = [
@@ -182,7 +177,7 @@ def summary_markdown(summary: dict) -> str:
             cell = per_k.get(k, {}).get("joint")
             cells.append("–" if cell is None else f"{_percent(cell['exact_match'])} [{_percent(cell['ci95'][0])}, {_percent(cell['ci95'][1])}]")
         rows.append([name, *cells])
-    parts += [_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
+    parts += [markdown_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
 
     lengths = sorted({split for per_k in summary["systems"].values() for k in per_k.values() for split in k["lengths"]},
                      key=lambda split: int(split.split("_")[1]))
@@ -192,7 +187,7 @@ def summary_markdown(summary: dict) -> str:
             [name, *[" / ".join(_percent(per_k.get(k, {}).get("lengths", {}).get(split)) for split in lengths) for k in ks]]
             for name, per_k in summary["systems"].items()
         ]
-        parts += [_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
+        parts += [markdown_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
 
     parts += [
         "Failure analysis on `joint` (real greedy decoding), % of inputs: early EOS / EOS missing or late / "
@@ -213,7 +208,7 @@ def summary_markdown(summary: dict) -> str:
                 f"{_percent(first['background'])} · {_percent(first['segment'])} · {_percent(first['boundary'])} · {_percent(first['end'])}"
             )
         rows.append([name, *cells])
-    parts += [_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
+    parts += [markdown_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
 
     owned = [
         (name, per_k) for name, per_k in summary["systems"].items()
@@ -228,7 +223,7 @@ def summary_markdown(summary: dict) -> str:
                 by_skill = per_k.get(k, {}).get("failures", {}).get(JOINT, {}).get("first_error_owner")
                 cells.append("–" if by_skill is None else " · ".join(f"{skill} {_percent(rate)}" for skill, rate in by_skill.items()))
             rows.append([name, *cells])
-        parts += [_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
+        parts += [markdown_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
 
     parts += [
         "Background noise of the plain composition on `joint` (teacher-forced; per region: background / segment / "
@@ -249,7 +244,7 @@ def summary_markdown(summary: dict) -> str:
         flip_cell = "–" if flips is None else " / ".join(_percent(flips[r]) for r in ("background", "segment", "boundary", "end"))
         rows.append([k, regions(record["inactive_activity"]), regions(record["eos_noise"]), regions(record["oracle_shift"]),
                      flip_cell, f"{record['coactivation_rate']:.3f}", f"{record['spurious_activity_rate']:.3f}"])
-    parts += [_table(["k", "Σ inactive KL", "Σ inactive EOS log-ratio", "KL(oracle ‖ composed)", "argmax flips %",
+    parts += [markdown_table(["k", "Σ inactive KL", "Σ inactive EOS log-ratio", "KL(oracle ‖ composed)", "argmax flips %",
                       "co-activation", "spurious activity"], rows), ""]
 
     parts += ["Components on their own targets, exact match % by length (per k run; the same checkpoints):", ""]
@@ -257,7 +252,7 @@ def summary_markdown(summary: dict) -> str:
     for name, per_k in summary["components"].items():
         last = per_k[max(per_k, key=int)]
         rows.append([name, " / ".join(f"{length}: {_percent(value)}" for length, value in last.items())])
-    parts += [_table(["component", "exact match % by length"], rows), "", "![accuracy against k](accuracy_vs_k.png)", ""]
+    parts += [markdown_table(["component", "exact match % by length"], rows), "", "![accuracy against k](accuracy_vs_k.png)", ""]
     return "\n".join(parts)
 
 
@@ -294,11 +289,7 @@ def plot_accuracy_against_k(summary: dict, path: Path) -> None:
     left.legend(fontsize=7, loc="lower left")
     figure.suptitle(f"Sequential skills, length {summary['main_length']}, expert noise {summary['expert_noise']}")
     figure.tight_layout()
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(handle)
     try:
-        figure.savefig(temporary, dpi=120)
-        os.replace(temporary, path)
+        atomic_save_figure(figure, path)
     finally:
         plt.close(figure)
-        Path(temporary).unlink(missing_ok=True)

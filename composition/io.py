@@ -1,0 +1,90 @@
+"""Files at the edge, shared by every package: atomic writes of files and folders, markdown tables.
+
+Everything a run writes goes through here, so that a crash halfway never leaves a half-written
+file or folder under its final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+
+def refuse_existing(out_dir: str | os.PathLike, overwrite: bool) -> Path:
+    """Return `out_dir` as a Path; raise if it exists and `overwrite` is False."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"`out_dir` {str(out_dir)!r} already exists; pass overwrite=True to replace it")
+    return out_dir
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder next to `out_dir`; on success rename it to `out_dir`.
+
+    On an exception the temporary folder is removed and `out_dir` is left as it was (absent, or
+    the old folder when overwriting). An existing `out_dir` is refused unless `overwrite=True`.
+    """
+    out_dir = refuse_existing(out_dir, overwrite)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    temporary.mkdir()
+    try:
+        yield temporary
+        refuse_existing(out_dir, overwrite)  # something may have appeared meanwhile
+        if out_dir.exists():
+            trash = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(out_dir, trash)
+            os.replace(temporary, out_dir)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(temporary, out_dir)
+    finally:
+        if temporary.exists():
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], None], suffix: str = "") -> None:
+    """Call `write(temporary_path)` on a temporary file beside `path`, then rename it over `path`.
+
+    `suffix` keeps the file type visible to writers that look at it (matplotlib's `savefig`).
+    """
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(handle)
+    try:
+        write(Path(temporary))
+        os.replace(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` atomically (a temporary file beside it, then a rename)."""
+    atomic_write(path, lambda temporary: temporary.write_text(text))
+
+
+def atomic_save_figure(figure, path: str | os.PathLike, dpi: int = 120, **savefig_options) -> None:
+    """Save a matplotlib figure to `path` atomically, with the file type taken from its suffix."""
+    path = Path(path)
+    atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=dpi, **savefig_options), suffix=path.suffix)
+
+
+def markdown_table(header: Sequence, rows: Sequence[Sequence], cell: Callable[[object], str] = str, pad: bool = False) -> str:
+    """A markdown table; `cell` formats each body cell, `pad` aligns the columns for a terminal."""
+    body = [[cell(value) for value in row] for row in rows]
+    head = [str(name) for name in header]
+    if not pad:
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+
+    def line(cells):
+        return "| " + " | ".join(value.ljust(width) for value, width in zip(cells, widths)) + " |"
+
+    return "\n".join([line(head), "|" + "|".join("-" * (width + 2) for width in widths) + "|", *map(line, body)])
