@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import re
-from collections.abc import Mapping
-import copy
+from collections.abc import Mapping, Sequence
 
 import torch
 from peft import PeftConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
-from peft.utils import PeftType
+from peft.utils import PeftType, load_peft_weights
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 # "base_model.model.<module path>.lora_A.weight" (adapter_name stripped on save).
@@ -25,8 +25,6 @@ def read_adapter(source) -> tuple[PeftConfig, dict[str, torch.Tensor]]:
         raise ValueError(
             f"an adapter must be a folder, a hub id or a PeftModel, got {type(source).__name__}"
         )
-    from peft.utils import load_peft_weights
-
     config = PeftConfig.from_pretrained(str(source))
     return config, load_peft_weights(str(source), device="cpu")
 
@@ -69,29 +67,63 @@ def check_adapter_fits(name: str, config: PeftConfig, state_dict: Mapping[str, t
             )
 
 
-def load_adapters_on_base(base_model, adapters: Mapping[str, object]) -> tuple[PeftModel, list[str]]:
-    """Inject every adapter into `base_model` (in place) and return the PeftModel and the names."""
-    names = list(adapters)
+def check_adapter_names(names: Sequence[object]) -> None:
+    """Raise a ValueError unless every name can be a peft adapter name beside the reserved `__base__`."""
     for name in names:
         if not isinstance(name, str) or not _NAME_PATTERN.match(name) or name == "__base__":
             raise ValueError(
                 f"adapter name {name!r} is not allowed: use letters, digits, '_' or '-', "
                 "not starting with a digit, and not '__base__'"
             )
+
+
+class TrainingFlags:
+    """The train/eval mode of every module and `requires_grad` of every parameter of a model.
+
+    Injecting adapters changes both on the caller's model (peft freezes the base, and the
+    composition runs in eval mode); `restore()` puts back what was captured.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.training = [(module, module.training) for module in model.modules()]
+        self.requires_grad = [(parameter, parameter.requires_grad) for parameter in model.parameters()]
+
+    def restore(self) -> None:
+        for module, training in self.training:
+            module.training = training
+        for parameter, requires_grad in self.requires_grad:
+            parameter.requires_grad_(requires_grad)
+
+
+def load_adapters_on_base(base_model, adapters: Mapping[str, object]) -> tuple[PeftModel, list[str]]:
+    """Inject every adapter into `base_model` (in place) and return the PeftModel and the names.
+
+    If an adapter cannot be loaded, the ones already injected are unloaded and `base_model` is
+    left as it was before the error is raised. `PeftModel.unload()` (no merge) undoes a success.
+    """
+    names = list(adapters)
+    check_adapter_names(names)
+    flags = TrainingFlags(base_model)
     peft_model = None
-    for name in names:
-        config, state_dict = read_adapter(adapters[name])
-        check_adapter_fits(name, config, state_dict, base_model)
-        config = copy.deepcopy(config)
-        config.inference_mode = True
-        if peft_model is None:
-            peft_model = PeftModel(base_model, config, adapter_name=name)
-        else:
-            peft_model.add_adapter(name, config)
-        result = set_peft_model_state_dict(peft_model, state_dict, adapter_name=name)
-        missing = [key for key in result.missing_keys if f".{name}." in key or key.endswith(f".{name}")]
-        missing = [key for key in missing if "lora_" in key]
-        if missing:
-            raise ValueError(f"adapter `{name}` is missing weights for {missing[:3]} ...")
+    try:
+        for name in names:
+            config, state_dict = read_adapter(adapters[name])
+            check_adapter_fits(name, config, state_dict, base_model)
+            config = copy.deepcopy(config)
+            config.inference_mode = True
+            if peft_model is None:
+                peft_model = PeftModel(base_model, config, adapter_name=name)
+            else:
+                peft_model.add_adapter(name, config)
+            result = set_peft_model_state_dict(peft_model, state_dict, adapter_name=name)
+            missing = [key for key in result.missing_keys if f".{name}." in key or key.endswith(f".{name}")]
+            missing = [key for key in missing if "lora_" in key]
+            if missing:
+                raise ValueError(f"adapter `{name}` is missing weights for {missing[:3]} ...")
+    except Exception:
+        if peft_model is not None:
+            peft_model.unload()
+        flags.restore()
+        raise
     peft_model.eval()
     return peft_model, names

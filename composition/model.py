@@ -6,6 +6,8 @@ Two backends share one interface:
 * `_SharedAdapters`: one base with k peft LoRA adapters. The batch is replicated k+1 times
   (component-major) and one forward pass with peft's mixed-adapter batch
   (`adapter_names=["__base__"]*B + [name_1]*B + ...`) returns every component; one cache.
+
+`close()` (or leaving a `with` block) gives the caller's base model back as it was.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+from peft import PeftConfig, PeftModel
 from transformers import (
     AutoModelForCausalLM,
+    AutoTokenizer,
     DynamicCache,
     LogitsProcessorList,
     PreTrainedModel,
@@ -27,11 +31,13 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from composition.adapters import load_adapters_on_base
+from composition.adapters import TrainingFlags, check_adapter_names, load_adapters_on_base
 from composition.remedies import compose_with_remedies
 from composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
 
 logger = logging.getLogger(__name__)
+
+LORA_IMPLEMENTATIONS = ("stacked", "peft")
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -62,6 +68,9 @@ class _SeparateModels:
     def new_cache(self):
         return [DynamicCache(config=model.config) for model in self.models]
 
+    def close(self) -> None:
+        """Nothing to undo: the models are used as given."""
+
     def forward(self, input_ids, attention_mask, position_ids, cache=None, logits_to_keep=0):
         """Return logits (k+1, B, T', V) for every component, base first."""
         outputs = []
@@ -87,11 +96,14 @@ class _SharedAdapters:
     * "stacked" (default, faster): the LoRA products of all experts are added with one batched
       matmul per module (`StackedLoRA`), on the plain base model.
     * "peft": peft's mixed-adapter batch, `adapter_names=["__base__"]*B + [name_1]*B + ...`.
+
+    The adapters are loaded onto `base_model` in place; `close()` gives it back as it was (no
+    LoRA layers, no patched forwards, its train/eval modes and `requires_grad` flags).
     """
 
-    def __init__(self, peft_model, adapter_names: Sequence[str], implementation: str = "stacked"):
-        if implementation not in ("stacked", "peft"):
-            raise ValueError(f"`lora_implementation` must be 'stacked' or 'peft', got {implementation!r}")
+    def __init__(self, base_model: PreTrainedModel, adapters: Mapping[str, object], implementation: str = "stacked"):
+        self.flags = TrainingFlags(base_model)  # before peft freezes the base and sets eval()
+        peft_model, adapter_names = load_adapters_on_base(base_model, adapters)
         self.components = ["__base__", *adapter_names]
         self.stacked = None
         if implementation == "stacked":
@@ -111,6 +123,14 @@ class _SharedAdapters:
 
     def new_cache(self):
         return DynamicCache(config=self.base_model.config)
+
+    def close(self) -> None:
+        """Remove the adapters from the base model (no merge) and restore its flags."""
+        if self.stacked is not None:
+            self.stacked.close()  # peft's LoRA layers were unloaded when the factors were stacked
+        else:
+            self.model.unload()
+        self.flags.restore()
 
     def _adapter_names(self, batch: int) -> list[str]:
         if batch not in self._names_for_batch:
@@ -145,12 +165,17 @@ class ComposedLM:
     (`ActivityGate`, `PlausibilityFilter`, `TerminationRule` from `composition.remedies`) change
     the rule at every step; see `compose_with_remedies`.
 
+    `close()`, or leaving a `with ComposedLM...(...) as lm:` block, gives the models back as
+    they were (see `from_adapters`); the ComposedLM cannot be used afterwards.
+
     Args:
         base_model: a transformers causal LM.
         expert_models: k causal LMs with the base's vocabulary.
         weights: k exponents, default 1.0 each.
         tokenizers: optional tokenizers, one per component (base first) or a single one for all;
             when several are given their vocabularies must agree.
+        remedies: rule changes applied at every step, in order.
+        names: k unique, non-empty expert names (`expert_names`); default `expert_0`, `expert_1`, ...
     """
 
     def __init__(
@@ -160,6 +185,8 @@ class ComposedLM:
         weights: Sequence[float] | None = None,
         tokenizers=None,
         remedies: Sequence[object] = (),
+        *,
+        names: Sequence[str] | None = None,
     ):
         if len(expert_models) == 0:
             raise ValueError("`expert_models` must hold at least one model, got an empty sequence")
@@ -171,29 +198,26 @@ class ComposedLM:
                     f"vocabulary size mismatch: `expert_models[{index}]` has {expert_vocab} output "
                     f"tokens, `base_model` has {base_vocab}; experts must share the base's vocabulary"
                 )
-        self._init_common(
-            _SeparateModels([base_model, *expert_models]),
-            names=[f"expert_{index}" for index in range(len(expert_models))],
+        self._configure(
+            len(expert_models),
+            names=[f"expert_{index}" for index in range(len(expert_models))] if names is None else names,
             weights=weights,
             tokenizers=tokenizers,
             generation_config=getattr(base_model, "generation_config", None),
             remedies=remedies,
         )
+        self.backend = _SeparateModels([base_model, *expert_models])
 
-    def _init_common(self, backend, names, weights, tokenizers, generation_config, remedies=()):
-        self.backend = backend
-        self.expert_names = list(names)
-        self.num_experts = len(names)
-        if weights is not None:
-            weights = [float(w) for w in weights]
-            if len(weights) != self.num_experts:
-                raise ValueError(
-                    f"`weights` must hold one weight per expert ({self.num_experts}), got {len(weights)}"
-                )
-        self.weights = weights
-        self.tokenizer = _check_tokenizers(tokenizers, self.num_experts + 1)
+    def _configure(self, num_experts, names, weights, tokenizers, generation_config, remedies) -> None:
+        """Check and set everything but the backend, so that bad arguments fail before any model is touched."""
+        self.expert_names = _check_names(names, num_experts)
+        self.num_experts = num_experts
+        self.weights = _check_weights(weights, num_experts)
+        self.tokenizer = _check_tokenizers(tokenizers, num_experts + 1)
         self.generation_config = generation_config
         self.remedies = tuple(remedies)
+        self.backend = None
+        self._closed = False
 
     @classmethod
     def from_adapters(
@@ -204,31 +228,46 @@ class ComposedLM:
         tokenizer=None,
         lora_implementation: str = "stacked",
         remedies: Sequence[object] = (),
+        *,
+        names: Sequence[str] | None = None,
     ) -> "ComposedLM":
         """Load several peft LoRA adapters onto one copy of `base_model`.
 
         `adapters` maps a name to an adapter folder, a hub id, or a `PeftModel` whose active
-        adapter is taken. No copy of the base weights is made: `base_model` itself is used (with
-        "stacked", forward hooks are added to its targeted linears, active only inside this
-        object's forward passes; with "peft", LoRA layers are injected into it in place).
-        `lora_implementation` picks how the experts run in one batched pass (see
-        `_SharedAdapters`); "stacked" falls back to "peft" for what it does not support (DoRA,
-        LoRA on embeddings).
+        adapter is taken. Its keys are the expert names; `names` may be left out, and if given must
+        equal the keys in order (so that code passing `names=` works for every constructor).
+
+        No copy of the base weights is made: `base_model` itself is changed in place (with
+        "stacked", the forward of each of its `nn.Linear` is replaced by one that adds the LoRA
+        products inside this object's forward passes only; with "peft", LoRA layers are injected
+        into it), frozen and put in eval mode. `close()` (or leaving a `with` block) undoes all
+        of it: same modules, parameters, flags and outputs as before. `lora_implementation` picks
+        how the experts run in one batched pass (see `_SharedAdapters`); "stacked" falls back to
+        "peft" for what it does not support (DoRA, LoRA on embeddings).
         """
         if not isinstance(adapters, Mapping) or len(adapters) == 0:
             raise ValueError(
                 f"`adapters` must be a non-empty mapping of name -> adapter, got {adapters!r}"
             )
-        peft_model, names = load_adapters_on_base(base_model, adapters)
+        if names is not None and _check_names(names, len(adapters)) != list(adapters):
+            raise ValueError(
+                f"`names` must be left out or equal the keys of `adapters` in order, {list(adapters)}, "
+                f"got {list(names)}; the keys already name the experts"
+            )
+        if lora_implementation not in LORA_IMPLEMENTATIONS:
+            raise ValueError(
+                f"`lora_implementation` must be one of {list(LORA_IMPLEMENTATIONS)}, got {lora_implementation!r}"
+            )
         self = cls.__new__(cls)
-        self._init_common(
-            _SharedAdapters(peft_model, names, lora_implementation),
-            names=names,
+        self._configure(
+            len(adapters),
+            names=list(adapters),
             weights=weights,
             tokenizers=tokenizer,
             generation_config=getattr(base_model, "generation_config", None),
             remedies=remedies,
         )
+        self.backend = _SharedAdapters(base_model, adapters, lora_implementation)
         return self
 
     @classmethod
@@ -238,6 +277,8 @@ class ComposedLM:
         experts: Sequence[str | os.PathLike],
         weights: Sequence[float] | None = None,
         remedies: Sequence[object] = (),
+        *,
+        names: Sequence[str] | None = None,
         **model_kwargs,
     ) -> "ComposedLM":
         """Load a base and experts from local folders or hub ids.
@@ -246,22 +287,28 @@ class ComposedLM:
         checkpoint. All adapters: one shared base (`from_adapters`). All full checkpoints: one
         model each. A mix: each adapter is merged into its own copy of the base
         (`merge_and_unload`), since the shared-base path needs every expert to be an adapter.
+
+        `names` default to the folder names (made unique with the index if they repeat); with
+        all adapters they must also be valid peft adapter names.
         """
         if len(experts) == 0:
             raise ValueError("`experts` must name at least one checkpoint or adapter, got none")
+        _check_weights(weights, len(experts))
+        is_adapter = [is_adapter_source(expert) for expert in experts]
+        if names is None:
+            names = [_name_from_path(expert, index) for index, expert in enumerate(experts)]
+            if len(set(names)) != len(names):
+                names = [f"{name}_{index}" for index, name in enumerate(names)]
+        names = _check_names(names, len(experts))
+        if all(is_adapter):
+            check_adapter_names(names)
         base_model = AutoModelForCausalLM.from_pretrained(base, **model_kwargs).eval()
         tokenizer = _try_load_tokenizer(base)
-        is_adapter = [is_adapter_source(expert) for expert in experts]
-        names = [_name_from_path(expert, index) for index, expert in enumerate(experts)]
-        if len(set(names)) != len(names):
-            names = [f"{name}_{index}" for index, name in enumerate(names)]
         if all(is_adapter):
             return cls.from_adapters(base_model, dict(zip(names, experts)), weights, tokenizer, remedies=remedies)
         expert_models, tokenizers = [], [tokenizer]
         for expert, adapter in zip(experts, is_adapter):
             if adapter:
-                from peft import PeftModel
-
                 fresh_base = AutoModelForCausalLM.from_pretrained(base, **model_kwargs)
                 expert_models.append(PeftModel.from_pretrained(fresh_base, expert).merge_and_unload().eval())
                 tokenizers.append(tokenizer)
@@ -275,16 +322,46 @@ class ComposedLM:
             weights,
             tokenizers=tokenizers if len(known) == len(tokenizers) else None,
             remedies=remedies,
+            names=names,
         )
-        self.expert_names = names
         if self.tokenizer is None and known:
             self.tokenizer = known[0]
         return self
+
+    # ------------------------------------------------------------------ giving the models back
+
+    def close(self) -> None:
+        """Give the caller's models back as they were; idempotent.
+
+        For `from_adapters`: the LoRA layers or patched forwards are removed from the base model
+        and its train/eval modes and `requires_grad` flags restored, so its modules, parameters and
+        outputs are bitwise what they were. For full checkpoints nothing is changed. Afterwards
+        this ComposedLM raises on use.
+        """
+        if self._closed:
+            return
+        self.backend.close()
+        self.backend = None  # drop the references to the models
+        self._closed = True
+
+    def __enter__(self) -> "ComposedLM":
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "this ComposedLM was closed and has given its models back; build a new one to compose again"
+            )
 
     # ------------------------------------------------------------------ teacher-forced scoring
 
     @property
     def device(self) -> torch.device:
+        self._check_open()
         return self.backend.device
 
     @torch.no_grad()
@@ -298,6 +375,7 @@ class ComposedLM:
 
         `position_ids` `(B, T)` defaults to each row's token count (left padding skipped), as in
         `generate`."""
+        self._check_open()
         input_ids, attention_mask = self._prepare(input_ids, attention_mask)
         if position_ids is None:
             position_ids = _position_ids(attention_mask)
@@ -354,6 +432,7 @@ class ComposedLM:
         `position_ids` `(B, T)` for the prompt and `generated_position_ids` `(B, max_new_tokens)`,
         the position of each generated token.
         """
+        self._check_open()
         if max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
         input_ids, attention_mask = self._prepare(input_ids, attention_mask)
@@ -486,6 +565,31 @@ def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:
     return warpers
 
 
+def _check_names(names, num_experts: int) -> list[str]:
+    """Return `names` as a list after checking: one per expert, non-empty strings, unique."""
+    if isinstance(names, str) or not isinstance(names, Sequence):
+        raise ValueError(f"`names` must be a list or tuple of {num_experts} expert names, got {names!r}")
+    names = list(names)
+    if len(names) != num_experts:
+        raise ValueError(f"`names` must hold one name per expert ({num_experts}), got {len(names)}: {names!r}")
+    for name in names:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"`names` must be non-empty strings, got {name!r} in {names!r}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"`names` must be unique, got {repeated} more than once in {names!r}")
+    return names
+
+
+def _check_weights(weights, num_experts: int) -> list[float] | None:
+    if weights is None:
+        return None
+    weights = [float(w) for w in weights]
+    if len(weights) != num_experts:
+        raise ValueError(f"`weights` must hold one weight per expert ({num_experts}), got {len(weights)}")
+    return weights
+
+
 def _check_tokenizers(tokenizers, n_components: int):
     """Return one tokenizer for the composition, after checking that all given ones agree."""
     if tokenizers is None:
@@ -515,8 +619,6 @@ def is_adapter_source(source: str | os.PathLike) -> bool:
     if path.exists():
         return (path / "adapter_config.json").is_file()
     try:
-        from peft import PeftConfig
-
         PeftConfig.from_pretrained(str(source))
         return True
     except Exception:  # noqa: BLE001 - any failure to find an adapter config means "not an adapter"
@@ -524,8 +626,6 @@ def is_adapter_source(source: str | os.PathLike) -> bool:
 
 
 def _try_load_tokenizer(source):
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(source)
     except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer is valid

@@ -10,7 +10,8 @@ B rows each — so each expert's rows are a contiguous slice, and for every targ
 
 The factors come from the adapters that peft loaded; the LoRA layers are then unloaded
 (`PeftModel.unload`, no merge) so the base model is plain again, and forward hooks on the base
-linears add the stacked products while `active()` is on.
+linears add the stacked products while `active()` is on. `close()` removes the hooks and gives
+every module its own forward back.
 """
 
 from __future__ import annotations
@@ -58,8 +59,11 @@ class StackedLoRA:
         self.factors = {path: (a_t, b_t) for path, (a_t, b_t, _) in stacked.items()}
         self.model = peft_model.unload()  # the base model with its original layers, unmerged
         self._handles = []
+        # (module, its instance-level forward before ours or None), for `close()`.
+        self._patched: list[tuple[torch.nn.Module, object]] = []
         for path, module in self.model.named_modules():
             if isinstance(module, torch.nn.Linear):
+                self._patched.append((module, module.__dict__.get("forward")))
                 module.forward = self._linear_forward(module, stacked.get(path))
             elif path in stacked:  # e.g. GPT-2's Conv1D: keep its forward, add the products after it
                 self._handles.append(module.register_forward_hook(self._hook(*stacked[path])))
@@ -123,6 +127,18 @@ class StackedLoRA:
             return output.view(*x.shape[:-1], output.shape[-1])
 
         return forward
+
+    def close(self) -> None:
+        """Remove the hooks and give every patched module its previous forward back; idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for module, previous in self._patched:
+            if previous is None:
+                del module.forward  # the class's forward again
+            else:
+                module.forward = previous
+        self._patched = []
 
     @contextlib.contextmanager
     def active(self):
