@@ -278,3 +278,163 @@ def test_from_pretrained_tells_adapters_from_checkpoints(tmp_path, tiny_config, 
     assert type(mixed.backend).__name__ == "_SeparateModels"
     reference = ComposedLM(random_llama(tiny_config, seed=0), [expert_models[0], merged_adapter_model(tiny_config, lora_dirs["cd"])])
     torch.testing.assert_close(mixed.logprobs(ids, mask), reference.logprobs(ids, mask), atol=1e-5, rtol=0)
+
+
+def test_from_pretrained_takes_names(tmp_path, tiny_config, lora_dirs, expert_models):
+    base_dir, full_dir = tmp_path / "base", tmp_path / "full"
+    random_llama(tiny_config, seed=0).save_pretrained(base_dir)
+    expert_models[0].save_pretrained(full_dir)
+    adapters_only = ComposedLM.from_pretrained(base_dir, [lora_dirs["ab"], lora_dirs["cd"]], names=["math", "code"])
+    assert adapters_only.expert_names == ["math", "code"]
+    assert adapters_only.backend.components == ["__base__", "math", "code"]
+    mixed = ComposedLM.from_pretrained(base_dir, [full_dir, lora_dirs["cd"]], names=["full", "lora"])
+    assert mixed.expert_names == ["full", "lora"]
+    assert ComposedLM.from_pretrained(base_dir, [full_dir, lora_dirs["cd"]]).expert_names == ["full", "cd"]
+    with pytest.raises(ValueError, match=r"`names` must hold one name per expert \(2\), got 1"):
+        ComposedLM.from_pretrained(base_dir, [full_dir, lora_dirs["cd"]], names=["full"])
+    with pytest.raises(ValueError, match="adapter name 'a b' is not allowed"):
+        ComposedLM.from_pretrained(base_dir, [lora_dirs["ab"], lora_dirs["cd"]], names=["a b", "c"])
+
+
+# ----------------------------------------------------------------------------- names
+
+
+def test_names_default_and_given(base_model, expert_models, tiny_config, lora_dirs):
+    assert ComposedLM(base_model, expert_models).expert_names == ["expert_0", "expert_1"]
+    assert ComposedLM(base_model, expert_models, names=("math", "code")).expert_names == ["math", "code"]
+    adapters = {k: str(v) for k, v in lora_dirs.items()}
+    with ComposedLM.from_adapters(random_llama(tiny_config, seed=0), adapters, names=["ab", "cd"]) as composed:
+        assert composed.expert_names == ["ab", "cd"]
+
+
+@pytest.mark.parametrize(
+    "names, message",
+    [
+        (["math"], r"`names` must hold one name per expert \(2\), got 1: \['math'\]"),
+        (["math", "math"], r"`names` must be unique, got \['math'\] more than once"),
+        (["math", ""], r"`names` must be non-empty strings, got '' in \['math', ''\]"),
+        (["math", 3], r"`names` must be non-empty strings, got 3 in"),
+        ("mc", r"`names` must be a list or tuple of 2 expert names, got 'mc'"),
+    ],
+)
+def test_bad_names_are_refused(names, message, base_model, expert_models):
+    with pytest.raises(ValueError, match=message):
+        ComposedLM(base_model, expert_models, names=names)
+
+
+def test_from_adapters_names_must_equal_the_keys(tiny_config, lora_dirs):
+    base = random_llama(tiny_config, seed=0)
+    before = module_tree(base)
+    adapters = {k: str(v) for k, v in lora_dirs.items()}
+    refused = r"`names` must be left out or equal the keys of `adapters` in order, \['ab', 'cd'\], got \['cd', 'ab'\]"
+    with pytest.raises(ValueError, match=refused):
+        ComposedLM.from_adapters(base, adapters, names=["cd", "ab"])
+    with pytest.raises(ValueError, match=r"`names` must be unique"):
+        ComposedLM.from_adapters(base, adapters, names=["ab", "ab"])
+    assert module_tree(base) == before  # refused before the base model was touched
+
+
+# ----------------------------------------------------------------------------- close()
+
+
+def module_tree(model):
+    """Every module with its path, identity, type, mode, instance-level forward and hooks."""
+    return [
+        (path, module, type(module), module.training, "forward" in module.__dict__,
+         len(module._forward_hooks), len(module._forward_pre_hooks))
+        for path, module in model.named_modules()
+    ]
+
+
+def parameters_state(model):
+    state = {key: value.clone() for key, value in model.state_dict().items()}
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+    return state, requires_grad
+
+
+def assert_same_parameters(model, expected):
+    state, requires_grad = parameters_state(model)
+    assert list(state) == list(expected[0])
+    assert all(torch.equal(state[key], expected[0][key]) for key in state)
+    assert requires_grad == expected[1]
+
+
+@torch.no_grad()
+def plain_logits(model):
+    ids, mask = left_padded_batch([6, 3], seed=13)
+    return model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+
+
+def caller_base(tiny_config):
+    """A base model in a state peft would change: train mode but an eval head, a frozen embedding."""
+    base = random_llama(tiny_config, seed=0).train()
+    base.lm_head.eval()
+    base.model.embed_tokens.weight.requires_grad_(False)
+    return base
+
+
+@pytest.mark.parametrize("implementation", ["stacked", "peft"])
+def test_close_gives_the_base_model_back(implementation, tiny_config, lora_dirs):
+    base = caller_base(tiny_config)
+    tree, parameters, logits = module_tree(base), parameters_state(base), plain_logits(base)
+    adapters = {k: str(v) for k, v in lora_dirs.items()}
+    ids, mask = left_padded_batch([5, 4], seed=14)
+
+    composed = ComposedLM.from_adapters(base, adapters, lora_implementation=implementation)
+    assert composed.backend.implementation == implementation
+    composed_logprobs = composed.logprobs(ids, mask)
+    assert module_tree(base) != tree  # the composition did change the caller's model
+    composed.close()
+    assert module_tree(base) == tree
+    assert_same_parameters(base, parameters)
+    assert torch.equal(plain_logits(base), logits)
+    composed.close()  # idempotent
+    assert module_tree(base) == tree
+
+    # The base model is still usable: composing it again gives the same numbers, and a `with`
+    # block gives it back too, also when the block raises.
+    with pytest.raises(KeyError):
+        with ComposedLM.from_adapters(base, adapters, lora_implementation=implementation) as again:
+            assert torch.equal(again.logprobs(ids, mask), composed_logprobs)
+            raise KeyError("leaving the block")
+    assert module_tree(base) == tree
+    assert_same_parameters(base, parameters)
+    assert torch.equal(plain_logits(base), logits)
+
+    for use in (
+        lambda: composed.logprobs(ids, mask),
+        lambda: again.generate(ids, mask, max_new_tokens=2),
+        lambda: again.__enter__(),
+    ):
+        with pytest.raises(RuntimeError, match="this ComposedLM was closed"):
+            use()
+
+
+def test_close_on_full_checkpoints_leaves_the_models_alone(tiny_config):
+    base, expert = random_llama(tiny_config, seed=0), random_llama(tiny_config, seed=1)
+    trees, parameters = [module_tree(m) for m in (base, expert)], [parameters_state(m) for m in (base, expert)]
+    with ComposedLM(base, [expert]) as composed:
+        composed.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=2)
+    assert [module_tree(m) for m in (base, expert)] == trees
+    for model, expected in zip((base, expert), parameters):
+        assert_same_parameters(model, expected)
+    composed.close()
+    with pytest.raises(RuntimeError, match="this ComposedLM was closed"):
+        composed.component_logprobs(torch.tensor([[4, 5, 6]]))
+
+
+def test_failed_from_adapters_leaves_the_base_as_it_was(tmp_path, tiny_config, lora_dirs):
+    base = caller_base(tiny_config)
+    tree, parameters = module_tree(base), parameters_state(base)
+    wide = random_lora_adapter(random_llama(tiny_llama_config(hidden_size=48), seed=0), tmp_path / "wide", seed=3)
+    # The second adapter fails after the first was injected.
+    with pytest.raises(ValueError, match="adapter `wide` was made for another base"):
+        ComposedLM.from_adapters(base, {"ab": str(lora_dirs["ab"]), "wide": str(wide)})
+    assert module_tree(base) == tree
+    assert_same_parameters(base, parameters)
+    adapters = {k: str(v) for k, v in lora_dirs.items()}
+    with pytest.raises(ValueError, match=r"one weight per expert \(2\), got 3"):
+        ComposedLM.from_adapters(base, adapters, weights=[1, 1, 1])
+    with pytest.raises(ValueError, match="`lora_implementation` must be one of"):
+        ComposedLM.from_adapters(base, adapters, lora_implementation="fast")
+    assert module_tree(base) == tree
