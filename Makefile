@@ -18,6 +18,7 @@ run: $(VENV)/.installed
 	$(BIN)/mergecompose compare configs/letters.yaml --out runs/letters
 
 test: $(VENV)/.installed
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 .PHONY: install run test

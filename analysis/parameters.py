@@ -22,12 +22,11 @@ from collections.abc import Mapping
 import torch
 
 from analysis.streaming import pair_key
+from merging.sparsify import magnitude_trim_global
 
 
 def trimmed_masks(task_vector, density: float) -> dict[str, torch.Tensor]:
     """The TIES keep-masks `{name: bool tensor}` of one task vector, global top-`density` by |τ|."""
-    from merging.sparsify import magnitude_trim_global
-
     if not 0 < density <= 1:
         raise ValueError(f"`density` must be in (0, 1], got {density}")
     trimmed = magnitude_trim_global(task_vector.tensors, density)

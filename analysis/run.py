@@ -11,12 +11,18 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from peft import PeftModel
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from analysis.data import encode_records, make_batches, prompt_batches, read_jsonl
 from analysis.measure import measure_overlap, rollout_batches
 from analysis.report import write_outputs
 from analysis.streaming import OverlapSettings
+from composition import ComposedLM
+from composition.io import atomic_output_dir, refuse_existing
+from composition.model import is_adapter_source
+from merging import TaskVector, merge
 
 
 class OverlapRunConfig(BaseModel):
@@ -85,13 +91,7 @@ def _device(choice: str) -> str:
 
 def _load_causal_lm(source: str, base: str, device: str):
     """A full model from a checkpoint, or base + adapter merged (`merge_and_unload`)."""
-    from transformers import AutoModelForCausalLM
-
-    from composition.model import is_adapter_source
-
     if is_adapter_source(source):
-        from peft import PeftModel
-
         model = AutoModelForCausalLM.from_pretrained(base)
         return PeftModel.from_pretrained(model, source).merge_and_unload().eval().to(device)
     return AutoModelForCausalLM.from_pretrained(source).eval().to(device)
@@ -99,10 +99,6 @@ def _load_causal_lm(source: str, base: str, device: str):
 
 def _task_vector(base_model, base: str, expert: str, device: str):
     """τ = θ_expert − θ_base: dense ΔW for an adapter, lazy per-tensor reads for local checkpoints."""
-    from merging import TaskVector
-
-    from composition.model import is_adapter_source
-
     if is_adapter_source(expert):
         return TaskVector.from_lora(base_model, expert)
     if Path(base).is_dir() and Path(expert).is_dir():
@@ -116,12 +112,6 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     The output folder is written atomically (a temporary folder next to it, then renamed); an
     existing one is refused unless `config.overwrite`. Returns the overlap.json content.
     """
-    from merging import merge
-    from composition.io import atomic_output_dir, refuse_existing
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from composition import ComposedLM
-
     refuse_existing(config.out, config.overwrite)
     device = _device(config.device)
     k = len(config.experts)

@@ -28,6 +28,9 @@ import torch
 
 from benchmarks.memory import PeakSampler, peak_rss_mib
 from benchmarks.report import write_results
+from analysis import measure_overlap
+from composition import ComposedLM, compose_with_remedies
+from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +56,6 @@ def apply_smoke(args) -> None:
 
 class Setup:
     def __init__(self, args):
-        from composition import ComposedLM
-        from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
 
         config = tiny_llama_config(
             vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
@@ -80,7 +81,6 @@ class Setup:
 
     @torch.no_grad()
     def bare(self, tokens: int) -> None:
-        from composition import compose_with_remedies
 
         for batch in self.batches(tokens):
             components = self.composed.component_logprobs(batch["input_ids"], batch["attention_mask"])
@@ -88,7 +88,6 @@ class Setup:
 
     @torch.no_grad()
     def analysis(self, tokens: int):
-        from analysis import measure_overlap
 
         return measure_overlap(self.composed, self.batches(tokens), progress=False)
 

@@ -27,9 +27,12 @@ from pathlib import Path
 
 import torch
 
+from transformers import AutoModelForCausalLM
+
 from benchmarks.memory import peak_rss_mib
 from benchmarks.report import write_results
-from transformers import AutoModelForCausalLM
+from composition import ComposedLM, compose_logprobs
+from composition.tiny import ALL_LINEAR, tiny_llama_config
 
 SYSTEMS = ["base", "full", "lora", "naive"]
 
@@ -68,7 +71,6 @@ def apply_smoke(args) -> None:
 
 def model_config(args):
     """The benchmark model's config: a Llama sized by the flags, or a Gemma-2-2B shape."""
-    from composition.tiny import tiny_llama_config
 
     if args.arch == "gemma2-2b":
         from transformers import Gemma2Config
@@ -89,8 +91,6 @@ class Workbench:
     """The models for every system, built once from seeded random weights."""
 
     def __init__(self, args, systems):
-        from composition import ComposedLM
-        from composition.tiny import ALL_LINEAR
         from peft import LoraConfig, PeftModel, get_peft_model
 
         self.args = args
@@ -160,7 +160,6 @@ class Workbench:
 
     @torch.no_grad()
     def _run_naive(self, ids, mask):
-        from composition import compose_logprobs
 
         for _ in range(self.args.new_tokens):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)

@@ -25,6 +25,8 @@ import torch
 
 from benchmarks.memory import PeakSampler, peak_rss_mib
 from benchmarks.report import write_results
+from composition.tiny import tiny_llama_config
+from merging import MERGEKIT_MODE, merge, merge_checkpoints
 
 
 OUT_SHARD_BYTES = 64 * 2**20
@@ -47,7 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_checkpoints(args, workdir: Path) -> tuple[int, int]:
     """Write base, expert_0, expert_1; return (parameters, bytes of one checkpoint's safetensors)."""
-    from composition.tiny import tiny_llama_config
     from transformers import LlamaForCausalLM
 
     config = tiny_llama_config(
@@ -74,13 +75,10 @@ def child(mode: str, workdir: Path, density: float) -> None:
     import mergekit.merge  # noqa: F401 - imported before the clock: both modes pay the same imports
     import transformers  # noqa: F401
 
-    import merging  # noqa: F401
-
     imports_rss = peak_rss_mib()
     sampler = PeakSampler().__enter__()
     start = time.perf_counter()
     if mode == "disk":
-        from merging import merge_checkpoints
 
         config = {
             "merge_method": "ties",
@@ -97,7 +95,6 @@ def child(mode: str, workdir: Path, density: float) -> None:
         options = {"quiet": True, "lazy_unpickle": True, "out_shard_size": OUT_SHARD_BYTES}
         merge_checkpoints(config, workdir / "merged_disk", overwrite=True, options=options)
     else:
-        from merging import MERGEKIT_MODE, merge
         from transformers import AutoModelForCausalLM
 
         base = AutoModelForCausalLM.from_pretrained(workdir / "base")

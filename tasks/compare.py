@@ -13,13 +13,12 @@ Systems:
 
 Every system is scored on every test split against the joint target, and on its own target
 per length (`by_length`): the base on copying, an expert on its skill, the rest on the joint task.
-The task type (`config.task`: letters, or the sequential skills of `tasks.skills_pipeline`) gives
+The task type (`config.task`, registered in `tasks.registry`: letters, skills) gives
 the training data, the evaluation data and any extra results sections.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -34,6 +33,7 @@ from tqdm.auto import tqdm
 from composition import ComposedLM
 from composition.io import atomic_write_text
 from tasks.components import Components, prepare_components
+from tasks.merge_selection import best_per_method, merged_model, search_merges
 from tasks.config import CompareConfig, fingerprint
 from tasks.evaluate import (
     ComposedSystem,
@@ -44,9 +44,9 @@ from tasks.evaluate import (
     score,
     summary,
 )
-from tasks.letters import JOINT
+from tasks.letters.task import JOINT
 from tasks.report import format_tables, plot_lengths, write_markdown
-from tasks.skills_remedies import remedy_system_name
+from tasks.remedies import remedy_system_name
 
 BAR = 0.99  # the issue's bar for components and for the composition
 
@@ -93,13 +93,79 @@ def run_compare(
         torch.set_num_threads(previous_threads)
 
 
+@dataclass
+class Setting:
+    """One setting of the comparison (the config itself, or one of its variants), evaluated."""
+
+    context: RunContext
+    evaluated: dict
+    merges: dict
+    timings: dict[str, float]
+
+
 def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
     started = time.perf_counter()
     config_hash = fingerprint(config)
     _check_run_dir(out_dir, config_hash, overwrite)
     out_dir.mkdir(parents=True, exist_ok=True)
-    timings: dict[str, float] = {}
 
+    main = _run_setting(config, out_dir, progress)
+    components, data = main.context.components, main.context.data
+    results = {
+        "config": config.model_dump(mode="json"),
+        "config_hash": config_hash,
+        "systems": main.evaluated,
+        "merges": main.merges,
+        "skipped": _skipped(config),
+        "bars": check_bars(config, main.evaluated),
+        "training": components.training,
+        "checkpoints": {
+            "base": str(components.base_dir),
+            "experts": {name: str(path) for name, path in components.experts.items()},
+            "adapters": {name: str(path) for name, path in components.adapters.items()},
+        },
+        "data": {
+            "test": {name: len(eval_set) for name, eval_set in data.test.items()},
+            "validation": {name: len(eval_set) for name, eval_set in data.validation.items()},
+            "main_length": config.eval_length,
+            "train_lengths": list(config.task.train_lengths),
+        },
+    }
+    for name, section in {**config.task.sections(), **(sections or {})}.items():
+        results[name] = section(main.context)
+    timings = dict(main.timings)
+    if config.variants:
+        results["variants"] = {}
+        for variant, variant_config in config.variant_configs().items():
+            stage = time.perf_counter()
+            setting = _run_setting(variant_config, out_dir, progress)
+            results["systems"].update({f"{variant}/{name}": record for name, record in setting.evaluated.items()})
+            results["variants"][variant] = {
+                "config": variant_config.model_dump(mode="json"),
+                "merges": setting.merges,
+                "skipped": _skipped(variant_config),
+                "training": setting.context.components.training,
+            }
+            timings[f"variant:{variant}"] = round(time.perf_counter() - stage, 2)
+        results["contrast"] = contrast(results)
+    timings["total"] = round(time.perf_counter() - started, 2)
+    results["timings"] = timings
+
+    atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1))
+    write_markdown(results, out_dir / "results.md", config.task.title())
+    plot_lengths(results, out_dir / "length.png")
+    plots = ["length.png", *config.task.plots(results, out_dir)]
+    if echo is not None:
+        echo(format_tables(results))
+        echo(f"\nresults: {out_dir / 'results.json'}, {out_dir / 'results.md'}, " + ", ".join(str(out_dir / name) for name in plots))
+    return results
+
+
+def _run_setting(config: CompareConfig, out_dir: Path, progress: bool) -> Setting:
+    """Train or load the components, build every system, choose the merges, evaluate everything."""
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
     components = prepare_components(config, out_dir, progress)
     timings["train_or_load"] = round(time.perf_counter() - started, 2)
 
@@ -121,42 +187,34 @@ def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
     stage = time.perf_counter()
     evaluated = _evaluate(config, components, data, systems, curve_of, progress)
     timings["evaluation"] = round(time.perf_counter() - stage, 2)
+    return Setting(RunContext(config, components, data, systems, curve_of), evaluated, merges, timings)
 
-    results = {
-        "config": config.model_dump(mode="json"),
-        "config_hash": config_hash,
-        "systems": evaluated,
-        "merges": merges,
-        "skipped": _skipped(config),
-        "bars": check_bars(config, evaluated),
-        "training": components.training,
-        "checkpoints": {
-            "base": str(components.base_dir),
-            "experts": {name: str(path) for name, path in components.experts.items()},
-            "adapters": {name: str(path) for name, path in components.adapters.items()},
-        },
-        "data": {
-            "test": {name: len(eval_set) for name, eval_set in data.test.items()},
-            "validation": {name: len(eval_set) for name, eval_set in data.validation.items()},
-            "main_length": config.eval_length,
-            "train_lengths": list(config.task.train_lengths),
-        },
-    }
-    context = RunContext(config, components, data, systems, curve_of)
-    for name, section in {**config.task.sections(), **(sections or {})}.items():
-        results[name] = section(context)
-    timings["total"] = round(time.perf_counter() - started, 2)
-    results["timings"] = timings
 
-    atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1))
-    write_markdown(results, out_dir / "results.md")
-    plot_lengths(results, out_dir / "length.png")
-    plots = ["length.png", *config.task.plots(results, out_dir)]
-    if echo is not None:
-        echo(format_tables(results))
-        echo(f"\nresults: {out_dir / 'results.json'}, {out_dir / 'results.md'}, " + ", ".join(str(out_dir / name) for name in plots))
-    return results
+def contrast(results: dict) -> dict:
+    """Every composition and merge on `joint`, per setting (the config, then each variant).
+
+    `differs[setting][system]`: whether the system's 95 % interval is disjoint from `compose`'s
+    there, i.e. merging and composing differ measurably.
+    """
+    settings = ["main", *results.get("variants", {})]
+    table: dict = {"settings": settings, "systems": {}, "differs": {}}
+    for setting in settings:
+        prefix = "" if setting == "main" else f"{setting}/"
+        cells = {
+            name[len(prefix):]: record["splits"][JOINT]
+            for name, record in results["systems"].items()
+            if name.startswith(prefix) and "/" not in name[len(prefix):] and name[len(prefix):].startswith(("compose", "merge:"))
+        }
+        for name, cell in cells.items():
+            table["systems"].setdefault(name, {})[setting] = {k: cell[k] for k in ("exact_match", "ci95", "n")}
+        reference = cells.get("compose")
+        if reference is not None:
+            table["differs"][setting] = {
+                name: cell["ci95"][1] < reference["ci95"][0] or cell["ci95"][0] > reference["ci95"][1]
+                for name, cell in cells.items()
+                if name != "compose"
+            }
+    return table
 
 
 # ---------------------------------------------------------------------------------- systems
@@ -197,8 +255,6 @@ def _select_merges(config: CompareConfig, components: Components, data: EvalData
     """
     if not config.merges:
         return {}
-    from merging import merge
-
     base = components.load_base()
     experts = [components.load_expert(name) for name in config.task.joint]
     key = fingerprint(
@@ -211,30 +267,30 @@ def _select_merges(config: CompareConfig, components: Components, data: EvalData
         }
     )
     cache = cache_dir / f"merge-selection-{key}.json"
-
-    def merged_model(method: str, params: dict):
-        model = copy.deepcopy(base)
-        model.load_state_dict(merge(method, base, experts, seed=config.seed_merges, progress=False, **params))
-        return model
-
     cached = cache.is_file()
     if cached:
         selection = json.loads(cache.read_text())
     else:
         validation = list(data.validation.values())
         fmt, tokenizer, batch_size = components.format, components.tokenizer, config.evaluation.batch_size
-        jobs = [(method, params) for method, grid in config.merges.items() for params in grid.candidates()]
-        selection = {}
-        for method, params in tqdm(jobs, desc="merges (validation)", disable=not progress, leave=False):
-            system = ModelSystem(method, merged_model(method, params))
-            value = mean_exact_match(system, validation, fmt, tokenizer, batch_size)
-            record = selection.setdefault(method, {"chosen": None, "validation_exact_match": -1.0, "validation": []})
-            record["validation"].append({**params, "mean_exact_match": value})
-            if value > record["validation_exact_match"]:
-                record.update(chosen=dict(params), validation_exact_match=value)
+
+        def validation_exact_match(method, model) -> float:
+            return mean_exact_match(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
+
+        grids = {method: grid.candidates() for method, grid in config.merges.items()}
+        records = search_merges(base, experts, grids, validation_exact_match, config.seed_merges, progress)
+        best = best_per_method(records)
+        selection = {
+            method: {
+                "chosen": best[method]["params"],
+                "validation_exact_match": best[method]["score"],
+                "validation": [{**r["params"], "mean_exact_match": r["score"]} for r in records if r["method"] == method],
+            }
+            for method in grids
+        }
         atomic_write_text(cache, json.dumps(selection, indent=1))
     return {
-        method: {**record, "cached": cached, "model": merged_model(method, record["chosen"])}
+        method: {**record, "cached": cached, "model": merged_model(base, experts, method, record["chosen"], config.seed_merges)}
         for method, record in selection.items()
     }
 
@@ -243,7 +299,7 @@ def _skipped(config: CompareConfig) -> dict[str, str]:
     skipped = {}
     if config.training.experts.init == "scratch":
         reason = "experts trained from scratch have no task vectors relative to the base"
-        for method in ("linear", "task_arithmetic", "ties", "dare_ties"):
+        for method in CompareConfig.model_fields["merges"].default_factory():
             skipped[f"merge:{method}"] = reason
         skipped["compose:lora"] = "LoRA adapters need experts fine-tuned from the base"
     elif config.training.experts.lora is None:

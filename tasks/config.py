@@ -10,109 +10,24 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from tasks.letters import LetterTask
-from tasks.skills_pipeline import SkillsTaskSettings
-from tasks.skills_remedies import RemedySettings
+from merging import METHODS
+try:  # TEMP-UNTIL-MERGING-LANDS
+    from merging import validate_merge_params
+except ImportError:  # TEMP-UNTIL-MERGING-LANDS
+    def validate_merge_params(method, params): return None  # TEMP-UNTIL-MERGING-LANDS
+from tasks.registry import validate_task
+from tasks.remedies import RemedySettings
 
-MERGE_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
+DEFAULT_TASK_TYPE = "letters"
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TaskSettings(_Strict):
-    """The letter-replacement task: skills as data (name -> {source: replacement}).
-
-    A task type gives the pipeline `trained_skills`, `skill_names`, `data_recipe`, `skill_recipe`,
-    `training_strings`, `eval_data`, `expert_variant`, `sections`, `plots`, `max_target_length`
-    and `generation_margin`; the sequential-skills family (`type: skills`,
-    `tasks.skills_pipeline.SkillsTaskSettings`) is the other one.
-    """
-
-    type: Literal["letters"] = Field("letters", exclude=True)  # left out of dumps: hashes stay as they were
-    formulation: Literal["seq2seq", "aligned"] = "seq2seq"
-    alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
-    skills: dict[str, dict[str, str]] = Field(
-        default_factory=lambda: {"ab": {"A": "B"}, "cd": {"C": "D"}, "ac": {"A": "C"}}
-    )
-    joint: list[str] = Field(default_factory=lambda: ["ab", "cd"])
-    train_lengths: tuple[int, int] = (1, 16)
-
-    @field_validator("train_lengths")
-    @classmethod
-    def _lengths(cls, value):
-        low, high = value
-        if not 1 <= low <= high:
-            raise ValueError(f"`train_lengths` must be (min, max) with 1 <= min <= max, got {value}")
-        return value
-
-    @model_validator(mode="after")
-    def _task(self):
-        self.letter_task()  # raises ValueError naming the bad skill, letter or joint entry
-        return self
-
-    def letter_task(self) -> LetterTask:
-        return LetterTask(self.alphabet, self.skills, self.joint)
-
-    # ---- what the compare pipeline asks of a task type
-
-    def trained_skills(self) -> list[str]:
-        return list(self.skills)
-
-    def skill_names(self) -> list[str]:
-        """Every skill the task defines (trained or not)."""
-        return list(self.skills)
-
-    def plots(self, results: dict, out_dir) -> list[str]:
-        """Task-specific plots beside `length.png`; the letters task has none."""
-        return []
-
-    def max_target_length(self, length: int) -> int:
-        """The longest target of an input of `length` characters: letter replacement keeps lengths."""
-        return length
-
-    def generation_margin(self) -> int:
-        """Tokens greedy decoding may generate past a target: two, for the greedy check."""
-        return 2
-
-    def data_recipe(self) -> dict | None:
-        return None  # the alphabet and lengths, already in every checkpoint's recipe, fix the data
-
-    def skill_recipe(self, name: str) -> dict:
-        return {"replace": self.skills[name]}
-
-    def training_strings(self, skill: str | None, tokenizer, sequence_format, settings, seed: int):
-        from tasks.train import TrainingStrings
-
-        replace = {} if skill is None else self.skills[skill]
-        return TrainingStrings(self.alphabet, self.train_lengths, replace, tokenizer, sequence_format, settings, seed)
-
-    def eval_data(self, settings, main_length: int, train_max: int):
-        from tasks.evaluate import build_eval_data
-
-        return build_eval_data(self.letter_task(), settings, main_length, train_max)
-
-    def expert_variant(self, base, expert, name: str):
-        return expert
-
-    def sections(self) -> dict:
-        return {}
-
-
-def _task_type(value) -> str:
-    return value.get("type", "letters") if isinstance(value, dict) else getattr(value, "type", "letters")
-
-
-AnyTask = Annotated[
-    Annotated[TaskSettings, Tag("letters")] | Annotated[SkillsTaskSettings, Tag("skills")],
-    Discriminator(_task_type),
-]
 
 
 class PositionSettings(_Strict):
@@ -253,6 +168,17 @@ class MergeGrid(_Strict):
         return grid
 
 
+def check_merge_grids(grids: dict[str, MergeGrid]) -> dict[str, MergeGrid]:
+    """Every method is in `merging.METHODS` and every grid point is valid for it (before any training)."""
+    unknown = sorted(set(grids) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown merge methods {unknown}; valid: {sorted(METHODS)}")
+    for method, grid in grids.items():
+        for params in grid.candidates():
+            validate_merge_params(method, params)
+    return grids
+
+
 def _default_merges() -> dict[str, MergeGrid]:
     lams = [0.5, 0.75, 1.0, 1.25, 1.5]
     return {
@@ -267,40 +193,38 @@ class CompareConfig(_Strict):
     """Everything `mergecompose compare` needs; the resolved config is written beside the results."""
 
     name: str = "letters"
-    task: AnyTask = Field(default_factory=TaskSettings)
+    # The model registered for `task.type` (`tasks.registry`); letters when no type is given.
+    task: SerializeAsAny[BaseModel] = Field(default_factory=lambda: validate_task({}, DEFAULT_TASK_TYPE))
     positions: PositionSettings = Field(default_factory=PositionSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     training: TrainingPlan
     evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
     merges: dict[str, MergeGrid] = Field(default_factory=_default_merges)
     seed_merges: int = 0  # DARE's random drop seed
-    # Named remedy sets (`tasks.skills_remedies`), each evaluated as one more system `compose+<name>`.
+    # Named remedy sets (`tasks.remedies`), each evaluated as one more system `compose+<name>`.
     # Left out of dumps when empty, so configs without remedies keep their hashes.
     remedies: dict[str, RemedySettings] = Field(default_factory=dict, exclude_if=lambda value: not value)
+    # Other settings of the same comparison, each evaluated beside this one: variant name ->
+    # overrides merged (recursively) into this config. Their systems are added to the results as
+    # `<variant>/<system>`; e.g. contiguous positions, where merging and composing differ.
+    # Left out of dumps when empty, so configs without variants keep their hashes.
+    variants: dict[str, dict] = Field(default_factory=dict, exclude_if=lambda value: not value)
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _task(cls, value):
+        return validate_task(value, DEFAULT_TASK_TYPE)
 
     @field_validator("merges")
     @classmethod
     def _known_methods(cls, value):
-        unknown = sorted(set(value) - set(MERGE_METHODS))
-        if unknown:
-            raise ValueError(f"unknown merge methods {unknown}; valid: {list(MERGE_METHODS)}")
-        for method, grid in value.items():
-            grid.candidates()
-        return value
+        return check_merge_grids(value)
 
     @model_validator(mode="after")
     def _consistent(self):
         if self.task.formulation == "aligned" and self.positions.scheme == "coupled":
             raise ValueError("`positions.scheme: coupled` is for seq2seq; the aligned formulation needs `contiguous`")
-        if isinstance(self.task, SkillsTaskSettings):
-            self.task.check_lengths(self.eval_length, self.evaluation.lengths)
-            changing = self.task.length_changing()
-            if changing and self.positions.scheme == "coupled":
-                raise ValueError(
-                    f"skills {changing} change the length of their segment; `positions.scheme: coupled` gives y_k the "
-                    "position of x_k and needs length-preserving transforms (reverse, shift, mirror, swap_pairs, rotate); "
-                    "use `positions: {scheme: contiguous}` for these"
-                )
+        self.task.check_config(self)
         longest = max([*self.evaluation.lengths, self.eval_length, self.task.train_lengths[1]])
         # seq2seq: room for the tokens greedy decoding may generate past the target (the task's margin).
         needed = self.slots_needed(longest) + (self.task.generation_margin() if self.task.formulation == "seq2seq" else 0)
@@ -325,6 +249,27 @@ class CompareConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _valid_variants(self):
+        self.variant_configs()  # every variant is validated with the config, before any training
+        return self
+
+    def variant_configs(self) -> dict[str, "CompareConfig"]:
+        """Each variant as a full config: this one's settings with the variant's overrides merged in."""
+        resolved = {}
+        for name, overrides in self.variants.items():
+            if not name.isidentifier():
+                raise ValueError(f"variant names must be identifiers (they prefix system names), got {name!r}")
+            if "variants" in overrides or "name" in overrides:
+                raise ValueError(f"`variants.{name}` may not set `variants` or `name`, got keys {sorted(overrides)}")
+            data = deep_merge(self.model_dump(mode="json", exclude={"variants"}), overrides)
+            data["name"] = f"{self.name}/{name}"
+            try:
+                resolved[name] = CompareConfig.model_validate(data)
+            except (ValidationError, ValueError) as error:
+                raise ValueError(f"`variants.{name}`: {error}") from error
+        return resolved
+
     @property
     def eval_length(self) -> int:
         return self.evaluation.length or self.task.train_lengths[1]
@@ -335,6 +280,17 @@ class CompareConfig(_Strict):
         if self.positions.scheme == "coupled":
             return length + 1
         return length + 2 + self.task.max_target_length(length)
+
+
+def deep_merge(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` merged in: nested mappings are merged key by key, other values replaced."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
 
 
 def load_config(path: str | Path) -> CompareConfig:

@@ -23,9 +23,7 @@ from scipy.stats import binomtest
 from transformers import PreTrainedModel
 
 from composition import ComposedLM
-from tasks.config import EvaluationSettings
 from tasks.formats import IGNORE_INDEX, Batch, Prompt, SequenceFormat
-from tasks.letters import JOINT, LetterTask, is_held_out, sample_strings
 from tasks.tokenizer import decode_ids, encode_strings
 
 
@@ -55,51 +53,6 @@ class EvalData:
     test: dict[str, EvalSet]
     validation: dict[str, EvalSet]
     curves: dict[str, dict[int, EvalSet]]
-
-
-def build_eval_data(task: LetterTask, settings: EvaluationSettings, main_length: int, train_max: int) -> EvalData:
-    """Sample every evaluation set from held-out strings only (`is_held_out`), seeded by `settings.seed`.
-
-    Test splits: `joint` (`joint_size` strings), one per joint skill and `neither` (`split_size`
-    each), all of length `main_length`, and `length_L` (joint inputs, `length_size` strings) for
-    each L in `settings.lengths` beyond `train_max`. Validation: the main splits again
-    (`validation_size` each), disjoint from the test strings.
-    """
-    rng = np.random.default_rng(settings.seed)
-    used: set[str] = set()
-
-    def draw(name: str, split: str, length: int, count: int, skills=None) -> EvalSet:
-        member = task.membership(split)
-        sources = sample_strings(
-            task.alphabet, length, count, rng, keep=lambda text: is_held_out(text) and member(text), exclude=used
-        )
-        used.update(sources)
-        targets = [task.target(text, skills) for text in sources]
-        return EvalSet(name, length, tuple(sources), tuple(targets))
-
-    test = {JOINT: draw(JOINT, JOINT, main_length, settings.joint_size)}
-    for split in task.split_names[1:]:
-        test[split] = draw(split, split, main_length, settings.split_size)
-    for length in settings.lengths:
-        if length > train_max:
-            test[f"length_{length}"] = draw(f"length_{length}", JOINT, length, settings.length_size)
-    validation = {split: draw(split, split, main_length, settings.validation_size) for split in task.split_names}
-
-    curves: dict[str, dict[int, EvalSet]] = {"copy": {}, JOINT: {}}
-    for name in task.skills:
-        curves[f"skill:{name}"] = {}
-    for length in settings.lengths:
-        curves["copy"][length] = draw(f"copy@{length}", "copy", length, settings.length_size, skills=[])
-        for name in task.skills:
-            kind = f"skill:{name}"
-            curves[kind][length] = draw(f"{kind}@{length}", kind, length, settings.length_size, skills=[name])
-        if length == main_length:
-            curves[JOINT][length] = test[JOINT]
-        elif f"length_{length}" in test:
-            curves[JOINT][length] = test[f"length_{length}"]
-        else:
-            curves[JOINT][length] = draw(f"joint@{length}", JOINT, length, settings.length_size)
-    return EvalData(test, validation, curves)
 
 
 # ---------------------------------------------------------------------------------- systems
@@ -208,18 +161,26 @@ def score(system, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, batch_size:
     return Scored(np.concatenate(correct), np.concatenate(first_error))
 
 
-def greedy_outputs(system, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, batch_size: int) -> list[str]:
-    """Greedy decoding for real (seq2seq): each output up to its first `<eos>` (at most L + 2 tokens)."""
-    sources = encode_strings(tokenizer, eval_set.sources)
-    max_new_tokens = eval_set.length + 2
-    outputs = []
+def greedy_tokens(system, sources: list[list[int]], fmt: SequenceFormat, tokenizer, max_new_tokens: int, batch_size: int) -> torch.Tensor:
+    """Greedy output tokens `(n, max_new_tokens)` of `system` (KV-cached `generate`), padded after its EOS or stop."""
+    rows = [torch.empty((0, max_new_tokens), dtype=torch.long)]
     for start in range(0, len(sources), batch_size):
         prompt = fmt.prompt(sources[start : start + batch_size], max_new_tokens)
         generated = system.generate(prompt, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        for row in generated.tolist():
-            ended = tokenizer.eos_token_id in row
-            text = decode_ids(tokenizer, row)
-            outputs.append(text if ended else text + "…")  # no <eos>: never an exact match
+        padded = torch.full((generated.shape[0], max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
+        padded[:, : generated.shape[1]] = generated
+        rows.append(padded)
+    return torch.cat(rows)
+
+
+def greedy_outputs(system, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, batch_size: int) -> list[str]:
+    """Greedy decoding for real (seq2seq): each output up to its first `<eos>` (at most L + 2 tokens)."""
+    sources = encode_strings(tokenizer, eval_set.sources)
+    generated = greedy_tokens(system, sources, fmt, tokenizer, eval_set.length + 2, batch_size)
+    outputs = []
+    for row in generated.tolist():
+        text = decode_ids(tokenizer, row)
+        outputs.append(text if tokenizer.eos_token_id in row else text + "…")  # no <eos>: never an exact match
     return outputs
 
 

@@ -38,11 +38,55 @@ def length_table(results: dict) -> str:
     return markdown_table(header, rows, pad=True)
 
 
+def contrast_table(results: dict) -> str:
+    """Compositions and merges × settings: exact match % [95 % CI] on `joint`; * where disjoint from compose's."""
+    contrast = results["contrast"]
+    settings = contrast["settings"]
+    rows = []
+    for name, cells in contrast["systems"].items():
+        row = [name]
+        for setting in settings:
+            cell = cells.get(setting)
+            star = " *" if contrast["differs"].get(setting, {}).get(name) else ""
+            row.append("–" if cell is None else _cell(cell) + star)
+        rows.append(row)
+    return markdown_table(["system", *[f"{setting} (n={_joint_n(contrast, setting)})" for setting in settings]], rows, pad=True)
+
+
+def _joint_n(contrast: dict, setting: str) -> int | str:
+    return next((cells[setting]["n"] for cells in contrast["systems"].values() if setting in cells), "–")
+
+
+def _contrast_lines(results: dict) -> list[str]:
+    if "contrast" not in results:
+        return []
+    settings = ", ".join(
+        f"{name}: {_describe_variant(overrides)}" for name, overrides in results["config"].get("variants", {}).items()
+    )
+    return [
+        f"Merging against composing on joint (length {results['data']['main_length']}), exact match % [95% CI]; "
+        f"main: the config as given; {settings}. * : the interval is disjoint from compose's.",
+        contrast_table(results),
+        "",
+    ]
+
+
+def _describe_variant(overrides: dict, prefix: str = "") -> str:
+    parts = []
+    for key, value in overrides.items():
+        if isinstance(value, dict) and value:
+            parts.append(_describe_variant(value, f"{prefix}{key}."))
+        else:
+            parts.append(f"{prefix}{key}={value}")
+    return ", ".join(parts)
+
+
 def format_tables(results: dict) -> str:
     """The text printed at the end of a run (the same tables as results.md)."""
     main_length = results["data"]["main_length"]
     return "\n".join(
         [
+            *_contrast_lines(results),
             f"Exact match % [95% CI] on the test splits (length {main_length} unless length_L), joint target:",
             splits_table(results),
             "",
@@ -52,15 +96,16 @@ def format_tables(results: dict) -> str:
     )
 
 
-def write_markdown(results: dict, path: Path) -> None:
+def write_markdown(results: dict, path: Path, task_title: str) -> None:
+    """results.md; `task_title` says what the task is (the task type's `title()`)."""
     config = results["config"]
     parts = [
-        f"# {config['name']}: merging and composition on "
-        f"{'sequential skills' if config['task'].get('type') == 'skills' else 'letter replacement'} ({config['task']['formulation']})",
+        f"# {config['name']}: merging and composition on {task_title} ({config['task']['formulation']})",
         "",
         f"Training lengths {results['data']['train_lengths']}; main splits at length {results['data']['main_length']}. "
         "Exact match of the greedy output up to EOS, with Wilson 95 % intervals.",
         "",
+        *(["## Merging against composing", "", *_contrast_lines(results)] if "contrast" in results else []),
         "## Test splits (joint target)",
         "",
         splits_table(results),
@@ -115,27 +160,53 @@ def write_markdown(results: dict, path: Path) -> None:
 
 
 def plot_lengths(results: dict, path: Path) -> None:
-    """Exact match against length, one line per system (own target); dashed: longest training length."""
+    """Exact match against length on each system's own target, as small multiples.
+
+    One row per setting (the config, then each variant), one column per group (base and
+    experts, compositions, merges). Within a panel each line is shifted sideways a little and
+    has its own marker, so lines that coincide (often at 0 or 100 %) stay visible.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(10, 5))
-    colours = plt.get_cmap("tab20").colors
+    settings = ["main", *results.get("variants", {})]
+    groups = {"components": ("base", "expert:"), "compositions": ("compose",), "merges": ("merge:",)}
+    panels: dict[tuple[str, str], list[str]] = {}
+    for name in results["systems"]:
+        setting, _, system = name.rpartition("/")
+        group = next((g for g, prefixes in groups.items() if system.startswith(prefixes)), "components")
+        panels.setdefault((setting or "main", group), []).append(name)
+    figure, axes = plt.subplots(
+        len(settings), len(groups), figsize=(5 * len(groups), 3.4 * len(settings)), squeeze=False, sharey=True
+    )
+    colours = plt.get_cmap("tab10").colors
     markers = "os^vD<>ph*"
-    for index, (name, record) in enumerate(results["systems"].items()):
-        lengths = [int(length) for length in record["by_length"]]
-        values = [100 * value for value in record["by_length"].values()]
-        style = "-" if name.startswith(("compose", "merge")) else "--"
-        axis.plot(lengths, values, style, color=colours[index % len(colours)], marker=markers[index % len(markers)],
-                  markersize=5, label=f"{name} ({record['target']})")
-    axis.axvline(results["data"]["train_lengths"][1], color="grey", linestyle=":", label="longest training length")
-    axis.set_xlabel("string length")
-    axis.set_ylabel("exact match %")
-    axis.set_ylim(-2, 102)
-    axis.set_title(f"{results['config']['name']}: exact match by length (own target)")
-    axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: lines often overlap at 0 and 100
+    train_max = results["data"]["train_lengths"][1]
+    for row, setting in enumerate(settings):
+        for column, group in enumerate(groups):
+            axis = axes[row, column]
+            names = panels.get((setting, group), [])
+            for index, name in enumerate(names):
+                record = results["systems"][name]
+                lengths = [int(length) for length in record["by_length"]]
+                offset = 0.6 * (index - (len(names) - 1) / 2)  # sideways, in characters
+                values = [100 * value for value in record["by_length"].values()]
+                axis.plot([length + offset for length in lengths], values, "-", color=colours[index % len(colours)],
+                          marker=markers[index % len(markers)], markersize=4, linewidth=1,
+                          label=f"{name.rpartition('/')[2]} ({record['target']})")
+            axis.axvline(train_max, color="grey", linestyle=":", linewidth=1)
+            axis.set_ylim(-4, 104)
+            axis.set_title(f"{setting}: {group}", fontsize=9)
+            axis.grid(alpha=0.3)
+            if names:
+                axis.legend(fontsize=6, loc="best")
+            if row == len(settings) - 1:
+                axis.set_xlabel("string length (dotted: longest training length)")
+            if column == 0:
+                axis.set_ylabel("exact match %")
+    figure.suptitle(f"{results['config']['name']}: exact match by length, each system on its own target", fontsize=10)
     figure.tight_layout()
     try:
         atomic_save_figure(figure, path)

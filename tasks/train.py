@@ -11,18 +11,14 @@ loop trains a model from scratch, fine-tunes it fully, or trains a peft LoRA ada
 from __future__ import annotations
 
 import math
-import random
 import time
-from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
 from tasks.config import TrainingSettings
-from tasks.formats import IGNORE_INDEX, Batch, SequenceFormat
-from tasks.letters import apply_replacements, is_held_out
-from tasks.tokenizer import encode_strings
+from tasks.formats import IGNORE_INDEX
 
 
 @dataclass
@@ -34,58 +30,6 @@ class TrainingLog:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class TrainingStrings:
-    """Training batches of (string, target) pairs for one replacement map; held-out strings never appear.
-
-    With `settings.steps`: fresh random strings every step (lengths uniform in `lengths`, letters
-    uniform). With `settings.epochs` and `settings.num_examples`: one fixed set of strings,
-    reshuffled every epoch (the paper's recipe). Seeded: the same seed gives the same batches.
-    """
-
-    def __init__(
-        self,
-        alphabet: str,
-        lengths: tuple[int, int],
-        replace: Mapping[str, str],
-        tokenizer,
-        sequence_format: SequenceFormat,
-        settings: TrainingSettings,
-        seed: int,
-    ):
-        self.alphabet = alphabet
-        self.lengths = lengths
-        self.replace = dict(replace)
-        self.tokenizer = tokenizer
-        self.format = sequence_format
-        self.settings = settings
-        self.rng = random.Random(seed)
-
-    def _draw(self) -> str:
-        while True:
-            length = self.rng.randint(*self.lengths)
-            text = "".join(self.rng.choices(self.alphabet, k=length))
-            if not is_held_out(text):
-                return text
-
-    def _batch(self, texts: list[str]) -> Batch:
-        sources = encode_strings(self.tokenizer, texts)
-        targets = encode_strings(self.tokenizer, [apply_replacements(text, self.replace) for text in texts])
-        return self.format.batch(sources, targets, rng=self.rng)
-
-    def __iter__(self) -> Iterator[Batch]:
-        size = self.settings.batch_size
-        if self.settings.steps is not None:
-            for _ in range(self.settings.steps):
-                yield self._batch([self._draw() for _ in range(size)])
-            return
-        fixed = [self._draw() for _ in range(self.settings.num_examples)]
-        for _ in range(self.settings.epochs):
-            order = list(range(len(fixed)))
-            self.rng.shuffle(order)
-            for start in range(0, len(order), size):
-                yield self._batch([fixed[index] for index in order[start : start + size]])
 
 
 def lr_factor(step: int, total: int, settings: TrainingSettings) -> float:

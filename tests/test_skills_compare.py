@@ -11,7 +11,7 @@ import yaml
 from tasks.compare import run_compare
 from tasks.components import prepare_components
 from tasks.config import CompareConfig, load_config
-from tasks.skills_sweep import load_sweep_configs, run_skills_sweep, summarize, summary_markdown
+from tasks.skills.sweep import load_sweep_configs, run_skills_sweep, summarize, summary_markdown
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "skills_k3_test.yaml"
 REMEDIES = {"compose+gate", "compose+plausible", "compose+eos_base", "compose+eos_active", "compose+all"}

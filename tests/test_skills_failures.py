@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from composition import compose_logprobs
-from tasks.skills import BACKGROUND, BOUNDARY, END, SEGMENT
-from tasks.skills_failures import (
+from tasks.skills.spec import BACKGROUND, BOUNDARY, END, SEGMENT
+from analysis.failures import (
     EOS_EARLY,
     EOS_LATE,
     EOS_MISSING,
@@ -172,7 +172,7 @@ def test_spurious_activity_rate_golden():
 
 
 def test_activity_examples_golden():
-    from tasks.skills_analysis import activity_examples
+    from tasks.skills.analysis import activity_examples
 
     # 2 sequences of 4 characters + EOS; expert 0 owns steps 1-2 of sequence 0, expert 1 owns none there.
     owners = torch.tensor([[-1, 0, 0, -1, -1], [1, 1, -1, 0, -1]])

@@ -9,10 +9,10 @@ from composition import ActivityGate, PlausibilityFilter, TerminationRule
 from composition.tiny import random_llama, tiny_llama_config
 from tasks.config import EvaluationSettings, TrainingSettings
 from tasks.formats import IGNORE_INDEX, SequenceFormat
-from tasks.letters import is_held_out
-from tasks.skills import find_segments, joint_target, rewrite
-from tasks.skills_pipeline import SkillsTaskSettings, noisy_expert
-from tasks.skills_remedies import RemedySettings
+from tasks.strings import is_held_out
+from tasks.skills.spec import find_segments, joint_target, rewrite
+from tasks.skills.settings import SkillsTaskSettings, noisy_expert
+from tasks.remedies import RemedySettings
 from tasks.tokenizer import build_tokenizer, decode_ids
 
 SKILLS = [

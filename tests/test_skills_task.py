@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from tasks.skills import (
+from tasks.skills.settings import split_input_at
+from tasks.skills.spec import (
     BACKGROUND,
     BOUNDARY,
     END,
@@ -21,7 +22,6 @@ from tasks.skills import (
     rewrite,
     sample_input,
     sample_training_input,
-    split_inputs,
     split_names,
 )
 
@@ -188,7 +188,8 @@ def test_sample_input_refuses_a_length_too_short():
 
 def test_segment_positions_and_lengths_are_data_dependent():
     spec = make_spec()
-    texts = split_inputs(spec, "joint", 200, seed=0)
+    rng = random.Random(0)
+    texts = [split_input_at(rng, spec, "joint", spec.train_lengths[1]) for _ in range(200)]
     starts = {find_segments(t, spec.skills)[0].start for t in texts}
     sizes = {s.end - s.start - 2 for t in texts for s in find_segments(t, spec.skills)}
     orders = {tuple(s.skill for s in find_segments(t, spec.skills)) for t in texts}
@@ -220,24 +221,13 @@ def test_splits_hold_what_their_names_say():
     spec = make_spec()
     assert split_names(spec, [48, 96]) == ["joint", "only_rev", "only_shift", "only_mirror", "neither", "length_48", "length_96"]
     experts = ["mirror", "rev", "shift"]
-    for text in split_inputs(spec, "joint", 100, seed=0):
+    rng = random.Random(0)
+    for text in [split_input_at(rng, spec, "joint", spec.train_lengths[1]) for _ in range(100)]:
         assert sorted(s.skill for s in find_segments(text, spec.skills)) == experts
         assert len(text) <= spec.train_lengths[1]
-    for text in split_inputs(spec, "only_shift", 100, seed=0):
+    for text in [split_input_at(rng, spec, "only_shift", spec.train_lengths[1]) for _ in range(100)]:
         assert [s.skill for s in find_segments(text, spec.skills)] == ["shift"]
-    for text in split_inputs(spec, "neither", 100, seed=0):
+    for text in [split_input_at(rng, spec, "neither", spec.train_lengths[1]) for _ in range(100)]:
         assert find_segments(text, spec.skills) == [] and joint_target(text, spec).text == text
-    for text in split_inputs(spec, "length_96", 20, seed=0):
+    for text in [split_input_at(rng, spec, "joint", 96) for _ in range(20)]:
         assert len(text) == 96 and sorted(s.skill for s in find_segments(text, spec.skills)) == experts
-
-
-def test_splits_are_reproducible_and_differ_between_seeds_and_names():
-    spec = make_spec()
-    assert split_inputs(spec, "joint", 20, seed=1) == split_inputs(spec, "joint", 20, seed=1)
-    assert split_inputs(spec, "joint", 20, seed=1) != split_inputs(spec, "joint", 20, seed=2)
-    assert split_inputs(spec, "joint", 20, seed=1) != split_inputs(spec, "length_24", 20, seed=1)
-
-
-def test_unknown_split_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown split 'only_swap'.*valid: \['joint', 'only_rev'"):
-        split_inputs(make_spec(), "only_swap", 5, seed=0)  # swap is the 4th skill, not composed at k = 3

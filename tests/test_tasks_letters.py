@@ -7,16 +7,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from tasks.config import EvaluationSettings
-from tasks.evaluate import build_eval_data
-from tasks.letters import (
-    HELD_OUT_MODULUS,
+from tasks.letters.settings import build_eval_data
+from tasks.letters.task import (
     LetterTask,
     apply_replacements,
     combined_replacements,
-    is_held_out,
     sample_strings,
     Skill,
 )
+from tasks.strings import HELD_OUT_MODULUS, is_held_out
 from tasks.tokenizer import build_tokenizer, decode_ids, encode_strings
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "

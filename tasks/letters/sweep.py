@@ -4,7 +4,7 @@ A sweep over pairs of letter-replacement experts whose rules overlap from not at
 to fully (`ab` + `ac`). The base and every expert are trained once by `tasks` (cached by hash
 under `DIR/checkpoints`); for each pair:
 
-* the diagnostics (`analysis.letters.measure_letter_pair`), teacher-forced on held-out strings
+* the diagnostics (`tasks.letters.overlap.measure_letter_pair`), teacher-forced on held-out strings
   where both skills are active, with the median centre and the base-weighted median centre;
 * the composed model's joint-task accuracy, by real greedy decoding: an output is correct when
   it has the right length and every character is one the pair allows (the joint target; where
@@ -20,7 +20,6 @@ gap `KL(q ‖ m)` at λ = 1: the deviation from `z(θ_b+τ_a+τ_b) = z_b + Δz_a
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
@@ -32,30 +31,21 @@ from tqdm.auto import tqdm
 
 from analysis.report import format_number, json_safe
 from composition.io import atomic_write_text, markdown_table
-from analysis.letters import measure_letter_pair, pair_replacements, pair_strings
+from tasks.letters.overlap import measure_letter_pair, pair_replacements, pair_strings
 from analysis.streaming import OverlapSettings
-from analysis.sweep_stats import plot_overlap_against_error, spearman, two_by_two
+from composition import ComposedLM
+from merging import METHODS
+from tasks.components import prepare_components
+from tasks.config import CompareConfig, MergeGrid, check_merge_grids, deep_merge, fingerprint
+from tasks.evaluate import ComposedSystem, EvalSet, ModelSystem, greedy_outputs
+from tasks.merge_selection import merged_model, search_merges
+from tasks.letters.sweep_stats import plot_overlap_against_error, spearman, two_by_two
 
 
-class SweepMergeGrid(BaseModel):
-    """Candidate hyperparameters of one merge method (every combination is tried on validation)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    lam: list[float] = Field(default_factory=lambda: [1.0])
-    density: list[float] | None = None
-
-    def candidates(self) -> list[dict]:
-        points = [{"lam": lam} for lam in self.lam]
-        if self.density is not None:
-            points = [{**point, "density": density} for point in points for density in self.density]
-        return points
-
-
-def _default_merges() -> dict[str, SweepMergeGrid]:
+def _default_merges() -> dict[str, MergeGrid]:
     return {
-        "task_arithmetic": SweepMergeGrid(lam=[0.5, 0.75, 1.0, 1.25]),
-        "ties": SweepMergeGrid(lam=[0.75, 1.0, 1.25, 1.5], density=[0.2, 0.5]),
+        "task_arithmetic": MergeGrid(lam=[0.5, 0.75, 1.0, 1.25]),
+        "ties": MergeGrid(lam=[0.75, 1.0, 1.25, 1.5], density=[0.2, 0.5]),
     }
 
 
@@ -81,7 +71,7 @@ class SweepConfig(BaseModel):
     pairs: list[tuple[str, str]] = Field(min_length=1)
     test_strings: int = Field(300, ge=1)
     validation_strings: int = Field(100, ge=1)
-    merges: dict[str, SweepMergeGrid] = Field(default_factory=_default_merges)
+    merges: dict[str, MergeGrid] = Field(default_factory=_default_merges)
     success_threshold: float = Field(0.9, ge=0, le=1)
     settings: OverlapSettings = Field(default_factory=OverlapSettings)
     seed: int = 0
@@ -89,10 +79,9 @@ class SweepConfig(BaseModel):
     @field_validator("merges")
     @classmethod
     def _known_methods(cls, value):
-        unknown = sorted(set(value) - {"task_arithmetic", "ties", "dare_ties", "linear"})
-        if unknown or not value:
-            raise ValueError(f"`merges` must name methods among task_arithmetic, ties, dare_ties, linear; got {sorted(value)}")
-        return value
+        if not value:
+            raise ValueError(f"`merges` must name at least one method; valid: {sorted(METHODS)}")
+        return check_merge_grids(value)
 
     @model_validator(mode="after")
     def _pairs_name_skills(self):
@@ -106,12 +95,10 @@ class SweepConfig(BaseModel):
 
     def compare_config(self):
         """The `tasks` config that trains the base and every skill (validated by `tasks.config`)."""
-        from tasks.config import CompareConfig
-
         path = Path(self.compare)
         if not path.is_file():
             raise ValueError(f"`compare` must be an existing compare YAML file, got {self.compare!r}")
-        data = _deep_merge(yaml.safe_load(path.read_text()), self.compare_overrides)
+        data = deep_merge(yaml.safe_load(path.read_text()), self.compare_overrides)
         data["task"] = {**data.get("task", {}), "skills": self.skills, "joint": list(self._compatible_pair())}
         data["training"]["experts"] = {k: v for k, v in data["training"]["experts"].items() if k != "lora"}
         data["merges"] = {}
@@ -123,13 +110,6 @@ class SweepConfig(BaseModel):
             if not pair_replacements(self.skills[a], self.skills[b])[1]:
                 return a, b
         raise ValueError("`pairs` must include at least one pair whose maps do not conflict")
-
-
-def _deep_merge(base: dict, overrides: dict) -> dict:
-    merged = dict(base)
-    for key, value in overrides.items():
-        merged[key] = _deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
-    return merged
 
 
 def conflict_choices(outputs: list[str], sources: list[str], replace_a: dict[str, str], replace_b: dict[str, str]) -> dict:
@@ -160,8 +140,6 @@ def joint_accuracy(outputs: list[str], sources: list[str], replace_a: dict[str, 
 
 
 def _greedy(system, sources, fmt, tokenizer, batch_size) -> list[str]:
-    from tasks.evaluate import EvalSet, greedy_outputs
-
     eval_set = EvalSet("pair", len(sources[0]), tuple(sources), tuple(sources))
     return greedy_outputs(system, eval_set, fmt, tokenizer, batch_size)
 
@@ -172,13 +150,6 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
     `out_dir/checkpoints` is kept between runs (reused by hash). Results of another config in
     `out_dir` are refused unless `overwrite`.
     """
-    from merging import merge
-    from tasks.components import prepare_components
-    from tasks.config import fingerprint
-    from tasks.evaluate import ComposedSystem, ModelSystem
-
-    from composition import ComposedLM
-
     started = time.perf_counter()
     out_dir = Path(out_dir)
     compare = config.compare_config()
@@ -215,7 +186,7 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
             )
             for centre in ("median", "base_weighted_median")
         }
-        composed = ComposedLM(base, [experts[name_a], experts[name_b]])
+        composed = ComposedLM(base, [experts[name_a], experts[name_b]], names=[name_a, name_b])
         compose_outputs = _greedy(ComposedSystem("compose", composed), test, fmt, tokenizer, batch_size)
         compose_accuracy = joint_accuracy(compose_outputs, test, replace_a, replace_b)
         own = {
@@ -225,15 +196,16 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
             for name, rule in ((name_a, replace_a), (name_b, replace_b))
         }
 
-        candidates = []
-        for method, grid in config.merges.items():
-            for params in grid.candidates():
-                merged = copy.deepcopy(base)
-                merged.load_state_dict(merge(method, base, [experts[name_a], experts[name_b]], progress=False, **params))
-                outputs = _greedy(ModelSystem(method, merged), validation, fmt, tokenizer, batch_size)
-                candidates.append({"method": method, **params, "validation": joint_accuracy(outputs, validation, replace_a, replace_b), "model": merged})
-        best = max(candidates, key=lambda c: c["validation"])  # first one on ties
-        merge_outputs = _greedy(ModelSystem("merge", best["model"]), test, fmt, tokenizer, batch_size)
+        def validation_accuracy(method, model, validation=validation, replace_a=replace_a, replace_b=replace_b) -> float:
+            outputs = _greedy(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
+            return joint_accuracy(outputs, validation, replace_a, replace_b)
+
+        pair_models = [experts[name_a], experts[name_b]]
+        grids = {method: grid.candidates() for method, grid in config.merges.items()}
+        candidates = search_merges(base, pair_models, grids, validation_accuracy, seed=0, progress=False)
+        best = max(candidates, key=lambda c: c["score"])  # first one on ties
+        best_model = merged_model(base, pair_models, best["method"], best["params"], seed=0)
+        merge_outputs = _greedy(ModelSystem("merge", best_model), test, fmt, tokenizer, batch_size)
         merge_accuracy = joint_accuracy(merge_outputs, test, replace_a, replace_b)
 
         key = f"{name_a}+{name_b}"
@@ -241,8 +213,8 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
             "skills": {name_a: replace_a, name_b: replace_b},
             "compose_accuracy": compose_accuracy,
             "merge_accuracy": merge_accuracy,
-            "merge_chosen": {k: v for k, v in best.items() if k != "model"},
-            "merge_validation": [{k: v for k, v in c.items() if k != "model"} for c in candidates],
+            "merge_chosen": {"method": best["method"], **best["params"], "validation": best["score"]},
+            "merge_validation": [{"method": c["method"], **c["params"], "validation": c["score"]} for c in candidates],
             "expert_own_skill_accuracy": own,
             "conflict_choices": {
                 "compose": conflict_choices(compose_outputs, test, replace_a, replace_b),

@@ -10,7 +10,7 @@ so the composed target applies every skill in its own segment and copies the res
 
 Everything here is data: the skills, their markers and transforms are read from YAML
 (`SkillsTaskSpec`), and `num_experts` picks the first k skills of the list. Nothing here
-tokenizes or trains; `tasks.skills_pipeline` (splits, training data) and the trainer build on these functions.
+tokenizes or trains; `tasks.skills.settings` (splits, training data) and the trainer build on these functions.
 
 Region labels mark what each target character is, so that a wrong output can be placed:
 `BACKGROUND` (plain text), `SEGMENT` (inside a marker pair), `BOUNDARY` (a marker character,
@@ -25,9 +25,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-BACKGROUND, SEGMENT, BOUNDARY, END = 0, 1, 2, 3
-REGION_NAMES = {BACKGROUND: "background", SEGMENT: "segment", BOUNDARY: "boundary", END: "end"}
-NO_OWNER = -1  # owner of a background character
+from analysis.failures import BACKGROUND, BOUNDARY, END, NO_OWNER, REGION_NAMES, SEGMENT  # noqa: F401 (re-exported)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,39 +384,6 @@ def length_split(length: int) -> str:
 def split_names(spec: SkillsTaskSpec, lengths: Sequence[int] = ()) -> list[str]:
     """`joint`, one `only_<skill>` per composed expert, `neither`, then one `length_<L>` per length."""
     return ["joint", *(single_split(s.name) for s in spec.experts), "neither", *(length_split(n) for n in lengths)]
-
-
-def split_input(rng: random.Random, spec: SkillsTaskSpec, split: str) -> str:
-    """One input of `split` (see `split_names`).
-
-    * `joint`: one segment of every composed expert, length drawn from `train_lengths` (at least what
-      the segments need);
-    * `only_<skill>`: one segment of that skill and nothing else marked;
-    * `neither`: plain text, no marker;
-    * `length_<L>`: like `joint`, exactly L characters long.
-    """
-    experts = [s.name for s in spec.experts]
-    if split == "neither":
-        return sample_input(rng, spec, [], rng.randint(max(spec.train_lengths[0], 1), spec.train_lengths[1]))
-    if split == "joint":
-        present = experts
-    elif split.startswith("only_") and split[len("only_") :] in experts:
-        present = [split[len("only_") :]]
-    elif split.startswith("length_") and split[len("length_") :].isdigit():
-        return sample_input(rng, spec, experts, int(split[len("length_") :]))
-    else:
-        valid = split_names(spec) + ["length_<L>"]
-        raise ValueError(f"unknown split {split!r} for this task (k = {spec.num_experts}); valid: {valid}")
-    shortest = len(present) * (spec.segment_lengths[0] + 2)
-    return sample_input(rng, spec, present, rng.randint(max(spec.train_lengths[0], shortest), spec.train_lengths[1]))
-
-
-def split_inputs(spec: SkillsTaskSpec, split: str, n: int, seed: int) -> list[str]:
-    """`n` inputs of `split`, reproducible from `seed` and the split's name."""
-    if n < 1:
-        raise ValueError(f"`n` must be >= 1, got {n}")
-    rng = random.Random(f"{seed}:{split}")
-    return [split_input(rng, spec, split) for _ in range(n)]
 
 
 def joint_target(text: str, spec: SkillsTaskSpec) -> Target:

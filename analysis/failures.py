@@ -20,9 +20,14 @@ from collections.abc import Sequence
 
 import torch
 
-from analysis import expert_activity, kl_divergence
+from analysis.diagnostics import expert_activity, kl_divergence
 from composition import compose_logprobs
-from tasks.skills import BACKGROUND, BOUNDARY, END, NO_OWNER, REGION_NAMES, SEGMENT
+
+# Region labels of output steps: plain text, inside a skill's segment, a marker character where a
+# skill starts or stops, and the EOS step one past the last character.
+BACKGROUND, SEGMENT, BOUNDARY, END = 0, 1, 2, 3
+REGION_NAMES = {BACKGROUND: "background", SEGMENT: "segment", BOUNDARY: "boundary", END: "end"}
+NO_OWNER = -1  # owner of a step outside every expert's segment
 
 EOS_ON_TIME, EOS_EARLY, EOS_LATE, EOS_MISSING = 0, 1, 2, 3
 EOS_OUTCOME_NAMES = {EOS_ON_TIME: "on_time", EOS_EARLY: "early", EOS_LATE: "late", EOS_MISSING: "missing"}

@@ -24,6 +24,11 @@ import torch
 from analysis.measure import measure_overlap, rollout_batches
 from analysis.streaming import OverlapSettings
 from composition import ComposedLM
+from merging import TaskVector, merge
+from tasks.formats import IGNORE_INDEX
+from tasks.letters.task import apply_replacements, sample_strings
+from tasks.strings import is_held_out
+from tasks.tokenizer import encode_strings
 
 
 def pair_replacements(replace_a: Mapping[str, str], replace_b: Mapping[str, str]) -> tuple[dict[str, str], dict[str, set[str]]]:
@@ -40,8 +45,6 @@ def pair_replacements(replace_a: Mapping[str, str], replace_b: Mapping[str, str]
 
 def pair_strings(task, name_a: str, name_b: str, length: int, count: int, seed: int, exclude=frozenset()) -> list[str]:
     """`count` held-out strings of `length` in which both skills are active (seeded)."""
-    from tasks.letters import is_held_out, sample_strings
-
     skill_a, skill_b = task.skills[name_a], task.skills[name_b]
     rng = np.random.default_rng(seed)
     keep = lambda text: is_held_out(text) and skill_a.is_active(text) and skill_b.is_active(text)  # noqa: E731
@@ -50,9 +53,6 @@ def pair_strings(task, name_a: str, name_b: str, length: int, count: int, seed: 
 
 def teacher_forced_batches(fmt, tokenizer, sources: Sequence[str], targets: Sequence[str], batch_size: int) -> list[dict]:
     """`measure_overlap` batches from the task's own format; the measured positions are the scored ones."""
-    from tasks.formats import IGNORE_INDEX
-    from tasks.tokenizer import encode_strings
-
     source_ids, target_ids = encode_strings(tokenizer, sources), encode_strings(tokenizer, targets)
     batches = []
     for start in range(0, len(source_ids), batch_size):
@@ -70,8 +70,6 @@ def teacher_forced_batches(fmt, tokenizer, sources: Sequence[str], targets: Sequ
 
 def prompt_batches(fmt, tokenizer, sources: Sequence[str], batch_size: int, max_new_tokens: int) -> list[dict]:
     """Left-padded seq2seq prompts with the task's prompt and generated positions."""
-    from tasks.tokenizer import encode_strings
-
     source_ids = encode_strings(tokenizer, sources)
     batches = []
     for start in range(0, len(source_ids), batch_size):
@@ -102,12 +100,8 @@ def measure_letter_pair(
 
     Returns `{"teacher_forced": OverlapReport.summary(), "rollouts": {"composed": ...}, "prefix": ...}`.
     """
-    from merging import TaskVector, merge
-    from tasks.letters import apply_replacements
-
     (name_a, model_a), (name_b, model_b) = experts.items()
-    composed = ComposedLM(base, [model_a, model_b])
-    composed.expert_names = [name_a, name_b]
+    composed = ComposedLM(base, [model_a, model_b], names=[name_a, name_b])
     merged = copy.deepcopy(base)
     merged.load_state_dict(merge("task_arithmetic", base, [model_a, model_b], lam=1.0, progress=False))
     task_vectors = {name_a: TaskVector.from_models(base, model_a), name_b: TaskVector.from_models(base, model_b)}

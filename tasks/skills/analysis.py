@@ -4,7 +4,7 @@
 
 * for every `compose*` and `merge:*` system, on `joint` and every `length_<L>` split, real
   greedy decoding (KV-cached, `max_new_tokens` = L + `margin`) summarised by
-  `tasks.skills_failures.failure_summary`: exact match, early / late / missing EOS, and the
+  `analysis.failures.failure_summary`: exact match, early / late / missing EOS, and the
   region of the first error;
 * for the plain composition, teacher-forced on the joint targets, what the experts that do
   not own a step add there (`background_noise`), averaged per region, with the co-activation
@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 
 from analysis import coactivation_rate
+from analysis.failures import background_noise, failure_summary, mean_by_region, spurious_activity_rate
+from tasks.evaluate import greedy_tokens
 from tasks.formats import IGNORE_INDEX
-from tasks.skills import END, NO_OWNER, joint_target, region_labels
-from tasks.skills_failures import background_noise, failure_summary, mean_by_region, spurious_activity_rate
+from tasks.skills.spec import END, NO_OWNER, joint_target, region_labels
 from tasks.tokenizer import encode_strings
 
 JOINT = "joint"
@@ -46,18 +47,6 @@ def _targets_and_regions(spec, eval_set, tokenizer) -> tuple[torch.Tensor, torch
         owners[row, : len(tokens)] = torch.tensor(target.owners)
     lengths = torch.tensor([len(row) for row in ids])
     return target_ids, lengths, regions, owners
-
-
-def greedy_tokens(system, sources: list[list[int]], fmt, tokenizer, max_new_tokens: int, batch_size: int) -> torch.Tensor:
-    """Greedy output tokens `(B, max_new_tokens)` of `system` (pad after its EOS or after it stops)."""
-    rows = []
-    for start in range(0, len(sources), batch_size):
-        prompt = fmt.prompt(sources[start : start + batch_size], max_new_tokens)
-        generated = system.generate(prompt, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
-        padded = torch.full((generated.shape[0], max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
-        padded[:, : generated.shape[1]] = generated
-        rows.append(padded)
-    return torch.cat(rows)
 
 
 def system_failures(system, spec, eval_set, fmt, tokenizer, batch_size: int, margin: int) -> dict:
@@ -110,7 +99,7 @@ def composition_noise(
     """Teacher-forced background noise of a `ComposedLM` on `eval_set`'s joint targets.
 
     Returns per-region means of `inactive_activity`, `eos_noise`, `oracle_shift` and `oracle_flip` (see
-    `tasks.skills_failures.background_noise`), the co-activation rate and the spurious-activity
+    `analysis.failures.background_noise`), the co-activation rate and the spurious-activity
     rate at `epsilon`, the mean activity of each expert inside its own segments, and `heatmap`:
     the per-position activity of the first `heatmap_examples` sequences (`activity_examples`).
     """

@@ -31,7 +31,7 @@ from composition.io import atomic_save_figure, atomic_write_text, markdown_table
 
 from tasks.compare import run_compare
 from tasks.config import CompareConfig, fingerprint, load_config
-from tasks.skills_pipeline import SkillsTaskSettings
+from tasks.skills.settings import SkillsTaskSettings
 
 JOINT = "joint"
 

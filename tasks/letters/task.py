@@ -18,24 +18,14 @@ Nothing here tokenizes or trains: these are functions of strings.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from tasks.strings import distinct_strings
+
 JOINT, NEITHER = "joint", "neither"
-HELD_OUT_MODULUS = 8
-
-
-def is_held_out(text: str) -> bool:
-    """Whether `text` is reserved for evaluation: CRC-32 of its UTF-8 bytes ≡ 0 (mod 8).
-
-    One string in eight is held out. Training draws only the others and evaluation only these, so
-    no evaluation string is ever trained on, and the training data does not depend on the
-    evaluation's sizes or seeds.
-    """
-    return zlib.crc32(text.encode()) % HELD_OUT_MODULUS == 0
 
 
 @dataclass(frozen=True)
@@ -164,24 +154,11 @@ def sample_strings(
     """
     if length < 1:
         raise ValueError(f"`length` must be >= 1, got {length}")
-    if count < 0:
-        raise ValueError(f"`count` must be >= 0, got {count}")
     letters = np.array(list(alphabet))
-    found: dict[str, None] = {}  # insertion-ordered set: the order is the draw order (seeded)
-    draws = 0
     chunk = max(64, 4 * count)
-    while len(found) < count:
-        if draws >= max_draws:
-            raise ValueError(
-                f"found only {len(found)} of {count} distinct strings of length {length} that pass the "
-                f"split's condition in {draws} draws; the split is (nearly) empty at this length"
-            )
-        rows = letters[rng.integers(0, len(alphabet), size=(chunk, length))]
-        draws += chunk
-        for row in rows:
-            text = "".join(row)
-            if text not in found and text not in exclude and keep(text):
-                found[text] = None
-                if len(found) == count:
-                    break
-    return list(found)
+
+    def draw() -> list[str]:
+        return ["".join(row) for row in letters[rng.integers(0, len(alphabet), size=(chunk, length))]]
+
+    what = f"length {length} that pass the split's condition (the split is nearly empty at this length)"
+    return distinct_strings(draw, count, keep, exclude, what, max_draws)

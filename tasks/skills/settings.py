@@ -1,7 +1,7 @@
 """The sequential-skills family as a task type of `mergecompose compare` (`task: {type: skills, ...}`).
 
 `SkillsTaskSettings` is the `task:` block of a compare config. It gives the pipeline what the
-letters task gives it, from the functions of `tasks.skills`:
+letters task gives it, from the functions of `tasks.skills.spec`:
 
 * `alphabet`: the tokenizer's characters (letters, background, every marker);
 * `joint` / `trained_skills()`: the k composed experts (`num_experts`), the only ones trained;
@@ -33,8 +33,12 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from tasks.letters import is_held_out
-from tasks.skills import (
+from analysis.report import plot_activity_heatmap
+from merging import TaskVector
+from tasks.evaluate import EvalData, EvalSet
+from tasks.registry import register_task_type
+from tasks.skills.analysis import failure_section
+from tasks.skills.spec import (
     SkillsTaskSpec,
     get_transform,
     joint_target,
@@ -45,11 +49,13 @@ from tasks.skills import (
     sample_training_input,
     single_split,
 )
+from tasks.strings import TrainingStrings, distinct_strings, is_held_out
 
 JOINT, NEITHER = "joint", "neither"
 _NOT_IN_RECIPE = ("num_experts", "expert_noise", "expert_noise_seed", "activity_epsilon", "failure_margin")
 
 
+@register_task_type("skills")
 class SkillsTaskSettings(SkillsTaskSpec):
     """`task:` of a compare config for the sequential-skills family; see `tasks.skills.SkillsTaskSpec`."""
 
@@ -64,6 +70,20 @@ class SkillsTaskSettings(SkillsTaskSpec):
     # target greedy decoding may run (to tell a late EOS from a missing one).
     activity_epsilon: float = Field(0.1, ge=0)
     failure_margin: int = Field(8, ge=1)
+
+    def title(self) -> str:
+        return "sequential skills"
+
+    def check_config(self, config) -> None:
+        """Evaluation lengths must hold one segment per expert; length-changing skills need contiguous positions."""
+        self.check_lengths(config.eval_length, config.evaluation.lengths)
+        changing = self.length_changing()
+        if changing and config.positions.scheme == "coupled":
+            raise ValueError(
+                f"skills {changing} change the length of their segment; `positions.scheme: coupled` gives y_k the "
+                "position of x_k and needs length-preserving transforms (reverse, shift, mirror, swap_pairs, rotate); "
+                "use `positions: {scheme: contiguous}` for these"
+            )
 
     def length_changing(self) -> list[str]:
         """The composed skills whose transform changes a segment's length (e.g. `double`)."""
@@ -95,9 +115,16 @@ class SkillsTaskSettings(SkillsTaskSpec):
     def skill_recipe(self, name: str) -> dict:
         return {"skill_spec": self.skill(name).model_dump(mode="json")}
 
-    def training_strings(self, skill: str | None, tokenizer, sequence_format, settings, seed: int) -> "SkillsTrainingStrings":
+    def training_strings(self, skill: str | None, tokenizer, sequence_format, settings, seed: int) -> TrainingStrings:
         """Training batches for the base (`skill=None`, copy) or expert `skill`."""
-        return SkillsTrainingStrings(self, skill, tokenizer, sequence_format, settings, seed)
+        if skill is not None:
+            self.skill(skill)  # raises on an unknown name
+        applied = [] if skill is None else [skill]
+        return TrainingStrings(
+            lambda rng: sample_training_input(rng, self, own=skill),
+            lambda text: rewrite(text, self, applied).text,
+            tokenizer, sequence_format, settings, seed,
+        )
 
     def eval_data(self, settings, main_length: int, train_max: int):
         return build_skills_eval_data(self, settings, main_length, train_max)
@@ -111,14 +138,10 @@ class SkillsTaskSettings(SkillsTaskSpec):
 
     def sections(self) -> dict:
         """Results sections `mergecompose compare` adds for this task."""
-        from tasks.skills_analysis import failure_section
-
         return {"skills_failures": failure_section}
 
     def plots(self, results: dict, out_dir) -> list[str]:
         """`activity.png`: the plain composition's per-position expert activity on a few joint inputs."""
-        from analysis.report import plot_activity_heatmap
-
         noise = results.get("skills_failures", {}).get("noise", {}).get(JOINT)
         if not noise or not noise.get("heatmap"):
             return []
@@ -160,7 +183,7 @@ def training_like_input(rng: random.Random, spec: SkillsTaskSpec, own: str | Non
     return sample_input(rng, spec, present, length)
 
 
-def _split_input_at(rng: random.Random, spec: SkillsTaskSpec, split: str, length: int) -> str:
+def split_input_at(rng: random.Random, spec: SkillsTaskSpec, split: str, length: int) -> str:
     """An input of a main split (`joint`, `only_<skill>`, `neither`) at exactly `length` characters."""
     if split == JOINT:
         return sample_input(rng, spec, [s.name for s in spec.experts], length)
@@ -172,66 +195,8 @@ def _split_input_at(rng: random.Random, spec: SkillsTaskSpec, split: str, length
 
 
 def distinct_held_out(draw: Callable[[], str], count: int, exclude: set[str], what: str, max_draws: int = 1_000_000) -> list[str]:
-    """`count` distinct strings from `draw` that are held out (`tasks.letters.is_held_out`) and not in `exclude`."""
-    found: dict[str, None] = {}
-    draws = 0
-    while len(found) < count:
-        if draws >= max_draws:
-            raise ValueError(f"found only {len(found)} of {count} distinct held-out strings for {what} in {draws} draws")
-        text = draw()
-        draws += 1
-        if text not in found and text not in exclude and is_held_out(text):
-            found[text] = None
-    return list(found)
-
-
-# ---------------------------------------------------------------------------------------------
-# Training batches
-
-
-class SkillsTrainingStrings:
-    """Training batches of (input, target) pairs for the base (copy) or one expert; held-out strings never appear.
-
-    With `settings.steps`: fresh inputs every step. With `settings.epochs` and
-    `settings.num_examples`: one fixed set, reshuffled every epoch. Seeded.
-    """
-
-    def __init__(self, spec: SkillsTaskSpec, skill: str | None, tokenizer, sequence_format, settings, seed: int):
-        if skill is not None:
-            spec.skill(skill)  # raises on an unknown name
-        self.spec = spec
-        self.skill = skill
-        self.tokenizer = tokenizer
-        self.format = sequence_format
-        self.settings = settings
-        self.rng = random.Random(seed)
-
-    def _draw(self) -> str:
-        while True:
-            text = sample_training_input(self.rng, self.spec, own=self.skill)
-            if not is_held_out(text):
-                return text
-
-    def _batch(self, texts: list[str]):
-        from tasks.tokenizer import encode_strings
-
-        applied = [] if self.skill is None else [self.skill]
-        sources = encode_strings(self.tokenizer, texts)
-        targets = encode_strings(self.tokenizer, [rewrite(text, self.spec, applied).text for text in texts])
-        return self.format.batch(sources, targets, rng=self.rng)
-
-    def __iter__(self) -> Iterator:
-        size = self.settings.batch_size
-        if self.settings.steps is not None:
-            for _ in range(self.settings.steps):
-                yield self._batch([self._draw() for _ in range(size)])
-            return
-        fixed = [self._draw() for _ in range(self.settings.num_examples)]
-        for _ in range(self.settings.epochs):
-            order = list(range(len(fixed)))
-            self.rng.shuffle(order)
-            for start in range(0, len(order), size):
-                yield self._batch([fixed[index] for index in order[start : start + size]])
+    """`count` distinct strings from `draw` that are held out (`tasks.strings.is_held_out`) and not in `exclude`."""
+    return distinct_strings(lambda: [draw()], count, is_held_out, exclude, what, max_draws)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,8 +211,6 @@ def build_skills_eval_data(spec: SkillsTaskSettings, settings, main_length: int,
     beyond `train_max`. Validation: the main splits again (`validation_size` each), disjoint
     from the test strings. Curves: `copy`, `skill:<name>` and `joint` at every L in `settings.lengths`.
     """
-    from tasks.evaluate import EvalData, EvalSet
-
     spec.check_lengths(main_length, settings.lengths)
     rng = random.Random(settings.seed)
     used: set[str] = set()
@@ -262,7 +225,7 @@ def build_skills_eval_data(spec: SkillsTaskSettings, settings, main_length: int,
         return EvalSet(name, length, tuple(sources), tuple(targets))
 
     def split_set(name: str, split: str, length: int, count: int):
-        return draw(name, lambda: _split_input_at(rng, spec, split, length), count, None, length)
+        return draw(name, lambda: split_input_at(rng, spec, split, length), count, None, length)
 
     main = [JOINT, *(single_split(name) for name in spec.joint), NEITHER]
     test = {JOINT: split_set(JOINT, JOINT, main_length, settings.joint_size)}
@@ -306,8 +269,6 @@ def noisy_expert(base: torch.nn.Module, expert: torch.nn.Module, scale: float, s
     whose update is imprecise everywhere: it now deviates from the base outside its skill too.
     Returns a new model; neither input is modified.
     """
-    from merging import TaskVector
-
     if not scale >= 0:
         raise ValueError(f"`scale` must be >= 0, got {scale}")
     task_vector = TaskVector.from_models(base, expert)
