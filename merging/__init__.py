@@ -10,7 +10,7 @@ select the libraries' definitions. See `merging.registry` for the methods.
 from merging.checkpoints import CheckpointMergeConfig, merge_checkpoints
 from merging.lora import LoraTrainingConfig, combine_lora_adapters, lora_delta_weights, train_lora_expert
 from merging.merge import MERGEKIT_MODE, PEFT_MODE, merge
-from merging.registry import METHODS, register
+from merging.registry import METHODS, register, validate_merge_params
 from merging.settings import MergeSettings
 from merging.task_vector import TaskVector
 
@@ -28,4 +28,5 @@ __all__ = [
     "merge_checkpoints",
     "register",
     "train_lora_expert",
+    "validate_merge_params",
 ]

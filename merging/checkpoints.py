@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from composition.io import atomic_output_dir, refuse_existing
 from merging.merge import MERGEKIT_MODE
-from merging.registry import get_method
-from merging.settings import MergeSettings
+from merging.registry import mergekit_methods, validate_merge_params
+from merging.settings import MergeSettings, readable_error
 
-# Our method names that mergekit implements under the same name.
-MERGEKIT_METHODS = ("linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+# On disk the definitions are mergekit's: these keywords are fixed to its values.
+_FIXED_ON_DISK = {**MERGEKIT_MODE, "sign_election": "mass"}
 
 
 class ExpertCheckpoint(BaseModel):
@@ -42,20 +42,25 @@ class CheckpointMergeConfig(BaseModel):
         experts: [{path: checkpoints/math, weight: 1.0}, checkpoints/code]
         density: 0.2
         lam: 1.0
+
+    `method` is one mergekit runs (`merging.registry.mergekit_methods()`); the other keys are
+    the method's parameters, validated by its settings model (`METHODS[method].settings`) when
+    the config is.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # the extra keys are the method's parameters
 
-    method: Literal["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs"]
+    method: str
     base: str
     experts: list[ExpertCheckpoint]
-    lam: float = 1.0
-    density: float | None = None
-    drop_rate: float | None = None
-    gamma: float | None = None
-    normalize: bool | None = None
-    seed: int | None = None
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+    @field_validator("method")
+    @classmethod
+    def _mergekit_runs_it(cls, value):
+        if value not in mergekit_methods():
+            raise ValueError(f"must be one of the methods mergekit runs, {mergekit_methods()}")
+        return value
 
     @field_validator("experts", mode="before")
     @classmethod
@@ -68,43 +73,48 @@ class CheckpointMergeConfig(BaseModel):
     @classmethod
     def _at_least_one(cls, value):
         if not value:
-            raise ValueError("`experts` must list at least one checkpoint")
+            raise ValueError("must list at least one checkpoint")
         return value
 
+    @model_validator(mode="after")
+    def _parameters_are_valid(self):
+        self.settings()
+        return self
+
     def settings(self) -> MergeSettings:
-        """The resolved settings under mergekit's definitions (checks every value)."""
-        return get_method(self.method).resolve(
-            len(self.experts),
-            weights=[expert.weight for expert in self.experts],
-            lam=self.lam,
-            density=self.density,
-            drop_rate=self.drop_rate,
-            gamma=self.gamma,
-            seed=self.seed,
-            normalize=self.normalize,
-            **MERGEKIT_MODE,
-        )
+        """The resolved settings under mergekit's definitions (checks every parameter)."""
+        parameters = dict(self.model_extra)
+        for name, value in parameters.items():
+            if name == "weights":
+                raise ValueError("`weights` are given per expert (`experts: [{path: ..., weight: ...}]`), not as a list")
+            if name in _FIXED_ON_DISK and value != _FIXED_ON_DISK[name]:
+                raise ValueError(
+                    f"`{name}` is {_FIXED_ON_DISK[name]!r} on disk (mergekit's definition), got {value!r}; "
+                    "merge in memory (`merging.merge`) for the other definitions"
+                )
+        weights = [expert.weight for expert in self.experts]
+        return validate_merge_params(self.method, {**parameters, **MERGEKIT_MODE, "weights": weights}, count=len(weights))
 
     def to_mergekit(self) -> dict:
         """The same merge in mergekit's YAML schema."""
-        settings = self.settings()
+        settings = self.settings().model_dump()
         models = []
         for expert in self.experts:
             parameters = {"weight": expert.weight}
-            if settings.drop_rate is not None:
-                parameters["density"] = 1.0 - settings.drop_rate
-            elif settings.density is not None:
-                parameters["density"] = settings.density
-            if settings.gamma is not None:
-                parameters["gamma"] = settings.gamma
+            if settings.get("drop_rate") is not None:
+                parameters["density"] = 1.0 - settings["drop_rate"]
+            elif settings.get("density") is not None:
+                parameters["density"] = settings["density"]
+            if "gamma" in settings:
+                parameters["gamma"] = settings["gamma"]
             models.append({"model": expert.path, "parameters": parameters})
         config = {"merge_method": self.method, "models": models, "dtype": self.dtype}
         if self.method == "linear":
-            config["parameters"] = {"normalize": settings.normalize}
+            config["parameters"] = {"normalize": settings["normalize"]}
             return config
         config["base_model"] = self.base
-        config["parameters"] = {"lambda": settings.lam, "normalize": settings.normalize}
-        if settings.drop_rate is not None:
+        config["parameters"] = {"lambda": settings["lam"], "normalize": settings["normalize"]}
+        if "drop_rate" in settings:
             config["parameters"]["rescale"] = True  # L1 rescaling; mergekit's only DARE rescale
         return config
 
@@ -130,7 +140,10 @@ def load_merge_config(config) -> tuple[dict, CheckpointMergeConfig | None]:
     if "merge_method" in config:
         return dict(config), None
     if "method" in config:
-        ours = CheckpointMergeConfig.model_validate(dict(config))
+        try:
+            ours = CheckpointMergeConfig.model_validate(dict(config))
+        except ValidationError as error:
+            raise readable_error(error, CheckpointMergeConfig, "the merge config") from None
         return ours.to_mergekit(), ours
     raise ValueError(f"`config` has neither `merge_method` (mergekit) nor `method` (ours); keys: {sorted(config)}")
 
@@ -167,8 +180,8 @@ def merge_checkpoints(
             raise ValueError(f"model folder {path!r} in `config` does not exist")
     refuse_existing(out_dir, overwrite)
     defaults = {"copy_tokenizer": _has_tokenizer(mergekit_dict), "quiet": False}
-    if ours is not None and ours.seed is not None:
-        defaults["random_seed"] = ours.seed
+    if ours is not None and ours.model_extra.get("seed") is not None:
+        defaults["random_seed"] = ours.model_extra["seed"]
     merge_options = MergeOptions(**{**defaults, **dict(options or {})})
     with atomic_output_dir(out_dir, overwrite) as folder:
         run_merge(merge_configuration, str(folder), merge_options, config_source=yaml.safe_dump(mergekit_dict, sort_keys=False))

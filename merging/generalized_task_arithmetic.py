@@ -36,8 +36,7 @@ import torch
 from mergekit.merge_methods.generalized_task_arithmetic import get_mask
 from tqdm.auto import tqdm
 
-from merging import settings as checks
-from merging.settings import MergeSettings
+from merging.settings import TaskArithmeticSettings
 from merging.sparsify import magnitude_trim, magnitude_trim_global, outlier_trim, random_drop
 
 # mergekit's names for the two sign elections.
@@ -46,110 +45,29 @@ _MERGEKIT_ELECTION = {"mass": "sum", "count": "count"}
 
 @dataclass(frozen=True)
 class GeneralizedTaskArithmetic:
-    """One configured variant: which sparsification, whether to elect signs, and the defaults.
+    """One configured variant: its settings model, which sparsification, whether to elect signs.
 
+    settings: the pydantic model of its parameters and defaults (`merging.settings`).
     sparsification: None | "magnitude" | "random" | "outliers".
     sign_consensus: elect a sign per entry and average only agreeing entries (TIES).
-    normalize_default: normalize=None resolves to this, per consensus convention
-        ({"paper": ..., "mergekit": ...}; mergekit's values are its registry's defaults).
-    trim_scope_default: the scope of the method's reference definition ("global" for TIES).
+    mergekit: mergekit runs the same merge under the same name (`merge_checkpoints` offers it).
     """
 
-    name: str
+    settings: type[TaskArithmeticSettings]
     sparsification: str | None
     sign_consensus: bool
-    normalize_default: Mapping[str, bool]
     reference: str
-    trim_scope_default: str = "per_tensor"
-    global_trim_allowed: bool = True
+    mergekit: bool
 
-    def resolve(
-        self,
-        count: int,
-        *,
-        weights=None,
-        lam=1.0,
-        density=None,
-        drop_rate=None,
-        gamma=None,
-        seed=None,
-        consensus=None,
-        sign_election=None,
-        trim_scope=None,
-        rescale=None,
-        normalize=None,
-    ) -> MergeSettings:
-        """Check the keywords for this method and fill in its defaults."""
-        consensus = checks.check_choice("consensus", consensus or "paper", checks.CONSENSUS_VALUES)
-        lam = checks.check_real("lam", lam)
-        if self.sign_consensus and lam <= 0:
-            raise ValueError(
-                f"`lam` must be > 0 for `{self.name}` (a sign-elected merge scaled by λ ≤ 0 flips "
-                f"or erases the elected signs), got {lam}"
-            )
-        resolved = {
-            "method": self.name,
-            "weights": checks.check_weights(weights, count),
-            "lam": lam,
-            "consensus": consensus if self.sign_consensus else None,
-        }
-        if normalize is None:
-            normalize = self.normalize_default[consensus]
-        if not isinstance(normalize, bool):
-            raise ValueError(f"`normalize` must be True, False or None, got {normalize!r}")
-        resolved["normalize"] = normalize
-        if normalize and not self.sign_consensus and abs(sum(resolved["weights"])) < 1e-8:
-            raise ValueError(f"`weights` sum to {sum(resolved['weights'])}; normalize=True divides by that sum")
-
-        # Convention keywords are checked always, and recorded only where they apply, so one set of
-        # them (e.g. MERGEKIT_MODE) can be passed to every method.
-        for name, value, allowed in [
-            ("sign_election", sign_election, checks.SIGN_ELECTIONS),
-            ("trim_scope", trim_scope, checks.TRIM_SCOPES),
-            ("rescale", rescale, checks.RESCALES),
-        ]:
-            if value is not None:
-                checks.check_choice(name, value, allowed)
-        if seed is not None:
-            checks.check_seed(seed)
-        if self.sign_consensus:
-            resolved["sign_election"] = sign_election or "mass"
-
-        if self.sparsification == "random":
-            if density is not None and drop_rate is not None:
-                raise ValueError(f"give `drop_rate` or `density` (= 1 − drop_rate) for `{self.name}`, not both")
-            if density is not None:
-                drop_rate = 1.0 - checks.check_density(density)
-            if drop_rate is None:
-                raise ValueError(f"`{self.name}` needs `drop_rate` in [0, 1) (or `density` = 1 − drop_rate)")
-            resolved["drop_rate"] = checks.check_drop_rate(drop_rate)
-            resolved["seed"] = 0 if seed is None else seed
-            resolved["rescale"] = rescale or ("l1" if consensus == "mergekit" else "inverse")
-        elif drop_rate is not None:
-            raise ValueError(f"`drop_rate` does not apply to `{self.name}`; only DARE methods drop at random")
-
-        if self.sparsification in ("magnitude", "outliers"):
-            if density is None:
-                raise ValueError(f"`{self.name}` needs `density` in (0, 1], the fraction of entries kept")
-            resolved["density"] = checks.check_density(density)
-            scope = trim_scope or self.trim_scope_default
-            if scope == "global" and not self.global_trim_allowed:
-                raise ValueError(f"`trim_scope` must be 'per_tensor' for `{self.name}`, got 'global'")
-            resolved["trim_scope"] = scope
-        elif self.sparsification is None:
-            if density is not None:
-                raise ValueError(f"`density` does not apply to `{self.name}`, which keeps every entry")
-        if self.sparsification == "outliers":
-            resolved["gamma"] = checks.check_gamma(0.01 if gamma is None else gamma)
-        elif gamma is not None:
-            raise ValueError(f"`gamma` does not apply to `{self.name}`; only breadcrumbs removes outliers")
-        return MergeSettings(**resolved)
+    @property
+    def name(self) -> str:
+        return self.settings.model_fields["method"].default
 
     def __call__(
         self,
         base: Mapping[str, torch.Tensor],
         task_vectors: Sequence[Mapping[str, torch.Tensor]],
-        settings: MergeSettings,
+        settings: TaskArithmeticSettings,
         progress: bool = False,
     ) -> dict[str, torch.Tensor]:
         """The merged tensors θ_base + λ · merged delta, for every name some task vector holds.
@@ -179,7 +97,7 @@ class GeneralizedTaskArithmetic:
             result[name] = base[name].to(device=delta.device, dtype=delta.dtype) + delta
         return result
 
-    def _sparsify(self, tensor: torch.Tensor, settings: MergeSettings, generator) -> torch.Tensor:
+    def _sparsify(self, tensor: torch.Tensor, settings: TaskArithmeticSettings, generator) -> torch.Tensor:
         if self.sparsification == "magnitude" and settings.trim_scope == "per_tensor":
             return magnitude_trim(tensor, settings.density)
         if self.sparsification == "outliers":
@@ -188,7 +106,7 @@ class GeneralizedTaskArithmetic:
             return random_drop(tensor, settings.drop_rate, settings.rescale, generator)
         return tensor  # no sparsification, or already trimmed globally
 
-    def merge_deltas(self, stacked: torch.Tensor, weights: torch.Tensor, settings: MergeSettings) -> torch.Tensor:
+    def merge_deltas(self, stacked: torch.Tensor, weights: torch.Tensor, settings: TaskArithmeticSettings) -> torch.Tensor:
         """Merge k sparsified deltas of one tensor: (k, *shape) -> (*shape). Weights: (k,)."""
         weights = weights.reshape(-1, *([1] * (stacked.dim() - 1)))  # (k, 1, ..., 1)
         weighted = stacked * weights  # (k, *shape)

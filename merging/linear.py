@@ -16,47 +16,24 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from merging import settings as checks
-from merging.settings import MergeSettings
+from merging.settings import LinearSettings
 
 
 @dataclass(frozen=True)
 class Linear:
-    name: str = "linear"
+    settings: type[LinearSettings] = LinearSettings
     reference: str = "https://arxiv.org/abs/2203.05482"
+    mergekit: bool = True  # mergekit runs it under the same name
 
-    def resolve(self, count: int, *, weights=None, lam=1.0, density=None, drop_rate=None, gamma=None,
-                normalize=None, consensus=None, sign_election=None, trim_scope=None, rescale=None,
-                seed=None) -> MergeSettings:
-        """Check the keywords; convention keywords (consensus, trim_scope, ...) are checked and ignored."""
-        for name, value in [("density", density), ("drop_rate", drop_rate), ("gamma", gamma)]:
-            if value is not None:
-                raise ValueError(f"`{name}` does not apply to `linear`, which keeps every entry")
-        if checks.check_real("lam", lam) != 1.0:
-            raise ValueError(f"`lam` does not apply to `linear` (use `weights`), got {lam}")
-        for name, value, allowed in [
-            ("consensus", consensus, checks.CONSENSUS_VALUES),
-            ("sign_election", sign_election, checks.SIGN_ELECTIONS),
-            ("trim_scope", trim_scope, checks.TRIM_SCOPES),
-            ("rescale", rescale, checks.RESCALES),
-        ]:
-            if value is not None:
-                checks.check_choice(name, value, allowed)
-        if seed is not None:
-            checks.check_seed(seed)
-        weights = checks.check_weights(weights, count)
-        normalize = True if normalize is None else normalize
-        if not isinstance(normalize, bool):
-            raise ValueError(f"`normalize` must be True, False or None, got {normalize!r}")
-        if normalize and abs(sum(weights)) < 1e-8:
-            raise ValueError(f"`weights` sum to {sum(weights)}; normalize=True divides by that sum")
-        return MergeSettings(method=self.name, weights=weights, normalize=normalize)
+    @property
+    def name(self) -> str:
+        return self.settings.model_fields["method"].default
 
     def __call__(
         self,
         base: Mapping[str, torch.Tensor],
         task_vectors: Sequence[Mapping[str, torch.Tensor]],
-        settings: MergeSettings,
+        settings: LinearSettings,
         progress: bool = False,
     ) -> dict[str, torch.Tensor]:
         """θ for every floating-point tensor of `base` (a name missing from a task vector is θ_base there)."""

@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import save_file
 
 from composition.io import atomic_output_dir, refuse_existing
-from merging.registry import get_method
+from merging.registry import get_method, validate_merge_params
 from merging.task_vector import TaskVector, check_same_shape, is_mergeable, share_updates_of_tied, state_dict_of
 
 # Pass as `merge(..., **MERGEKIT_MODE)` to follow mergekit's definitions (what `merge_checkpoints`
@@ -25,44 +25,35 @@ def merge(
     base,
     finetuned_or_task_vectors: Sequence,
     *,
-    weights: Sequence[float] | None = None,
-    lam: float = 1.0,
-    density: float | None = None,
-    drop_rate: float | None = None,
-    gamma: float | None = None,
-    seed: int | None = None,
-    consensus: str | None = None,
-    sign_election: str | None = None,
-    trim_scope: str | None = None,
-    rescale: str | None = None,
-    normalize: bool | None = None,
     out_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    **params,
 ) -> dict[str, torch.Tensor]:
     """Merge k fine-tuned models (or task vectors) into `base`: θ = θ_base + λ · merge_i(w_i, τ_i).
 
     Args:
-        method: a name in `merging.METHODS`: linear, task_arithmetic, ties, dare_linear,
-            dare_ties, magnitude_prune, breadcrumbs.
+        method: a name in `merging.METHODS`.
         base: the base model (torch module) or its state dict.
         finetuned_or_task_vectors: a list of k models, state dicts or `TaskVector`s (mixed is
             fine); models and state dicts become τ_i = θ_i − θ_base.
-        weights: w_i per input, default 1.0 each.
-        lam: λ, scaling of the merged task vector (not for linear; > 0 for ties / dare_ties).
-        density: fraction of entries kept, in (0, 1]: ties, magnitude_prune, breadcrumbs (and
-            DARE as 1 − drop_rate).
-        drop_rate: DARE's p in [0, 1).
-        gamma: breadcrumbs' fraction of largest entries removed (default 0.01).
-        seed: DARE's random seed (default 0); the merge is deterministic given it.
-        consensus: "paper" (default) or "mergekit": where the weights enter the sign election
-            and what the disjoint mean divides by (see `merging.generalized_task_arithmetic`).
-        sign_election: "mass" (default, sgn Σ τ) or "count" (sgn Σ sgn τ).
-        trim_scope: "global" (TIES paper; ties' default) or "per_tensor" (mergekit, peft).
-        rescale: DARE's "inverse" (1/(1 − p); default) or "l1" (mergekit; default under
-            consensus="mergekit").
-        normalize: divide the merged delta by Σ w (or, with signs, by the count / the weights
-            of the agreeing entries); None takes the method's default (see `merging.registry`).
+        params: the method's parameters, validated by its model `METHODS[method].settings`
+            (`merging.settings`; None means the method's default):
+            weights: w_i per input, default 1.0 each.
+            lam: λ, scaling of the merged task vector (not for linear; > 0 for ties / dare_ties).
+            density: fraction of entries kept, in (0, 1]: ties, magnitude_prune, breadcrumbs (and
+                DARE as 1 − drop_rate).
+            drop_rate: DARE's p in [0, 1).
+            gamma: breadcrumbs' fraction of largest entries removed (default 0.01).
+            seed: DARE's random seed (default 0); the merge is deterministic given it.
+            consensus: "paper" (default) or "mergekit": where the weights enter the sign election
+                and what the disjoint mean divides by (see `merging.generalized_task_arithmetic`).
+            sign_election: "mass" (default, sgn Σ τ) or "count" (sgn Σ sgn τ).
+            trim_scope: "global" (TIES paper; ties' default) or "per_tensor" (mergekit, peft).
+            rescale: DARE's "inverse" (1/(1 − p); default) or "l1" (mergekit; default under
+                consensus="mergekit").
+            normalize: divide the merged delta by Σ w (or, with signs, by the count / the weights
+                of the agreeing entries); the default is the method's (see `merging.registry`).
         out_dir: also write the merged model there (atomically): `save_pretrained` for a
             transformers model, `model.safetensors` for a state dict, and `merge_settings.yaml`
             with the resolved settings.
@@ -78,17 +69,15 @@ def merge(
 
     Convention keywords (consensus, sign_election, trim_scope, rescale, seed) are checked for
     every method and ignored where they do not apply, so `**MERGEKIT_MODE` fits every method;
-    density, drop_rate, gamma and lam raise where they do not apply. Inputs are never modified.
+    any other parameter the method does not take raises. Inputs are never modified.
 
     Raises:
-        ValueError: an unknown method (the valid ones are listed), a parameter out of range
-            (named, with the value and the range), or tensors whose names or shapes do not match.
+        ValueError: an unknown method (the valid ones are listed), a parameter the method does not
+            take (its parameters are listed), a parameter out of range (named, with the value and
+            the range), or tensors whose names or shapes do not match.
         FileExistsError: `out_dir` exists and `overwrite` is False.
     """
     merge_method = get_method(method)
-    if out_dir is not None:
-        refuse_existing(out_dir, overwrite)
-    base_state = state_dict_of(base, "base")
     if isinstance(finetuned_or_task_vectors, (TaskVector, Mapping, torch.nn.Module)) or not isinstance(
         finetuned_or_task_vectors, Sequence
     ):
@@ -98,21 +87,11 @@ def merge(
         )
     if len(finetuned_or_task_vectors) == 0:
         raise ValueError("`finetuned_or_task_vectors` must hold at least one model or task vector, got an empty list")
+    settings = validate_merge_params(method, params, count=len(finetuned_or_task_vectors))
+    if out_dir is not None:
+        refuse_existing(out_dir, overwrite)
+    base_state = state_dict_of(base, "base")
     task_vectors = [_as_task_vector(item, base_state, index) for index, item in enumerate(finetuned_or_task_vectors)]
-    settings = merge_method.resolve(
-        len(task_vectors),
-        weights=weights,
-        lam=lam,
-        density=density,
-        drop_rate=drop_rate,
-        gamma=gamma,
-        seed=seed,
-        consensus=consensus,
-        sign_election=sign_election,
-        trim_scope=trim_scope,
-        rescale=rescale,
-        normalize=normalize,
-    )
     float_base = {name: tensor for name, tensor in base_state.items() if is_mergeable(tensor)}
     merged = merge_method(float_base, [task_vector.tensors for task_vector in task_vectors], settings, progress)
     share_updates_of_tied(base_state, merged)

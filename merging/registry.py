@@ -10,15 +10,31 @@
 | magnitude_prune | magnitude per tensor | –     | False / False                        | peft `merge_utils.magnitude_prune` |
 | breadcrumbs     | outliers per tensor  | –     | False / False                        | arXiv:2312.06795 |
 
-"mergekit" defaults are those of mergekit's registry (its dare_ties does not normalise).
+"mergekit" defaults are those of mergekit's registry (its dare_ties does not normalise). Each
+entry holds the pydantic model of its parameters (`METHODS["ties"].settings`, see
+`merging.settings`) and says whether mergekit runs it under the same name (all but
+magnitude_prune), which is what `merge_checkpoints` offers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
+
+from pydantic import ValidationError
 
 from merging.generalized_task_arithmetic import GeneralizedTaskArithmetic
 from merging.linear import Linear
+from merging.settings import (
+    BreadcrumbsSettings,
+    DareLinearSettings,
+    DareTiesSettings,
+    MagnitudePruneSettings,
+    MergeSettings,
+    TaskArithmeticSettings,
+    TiesSettings,
+    readable_error,
+)
 
 _REGISTRY: dict = {}
 
@@ -27,7 +43,7 @@ METHODS = MappingProxyType(_REGISTRY)
 
 
 def register(method) -> None:
-    """Add a method (with `.name`, `.resolve(count, **params)` and `__call__`) under its name."""
+    """Add a method under its name: `.name`, `.settings` (its pydantic model), `.mergekit` and `__call__`."""
     if method.name in _REGISTRY:
         raise ValueError(f"merge method `{method.name}` is already registered")
     _REGISTRY[method.name] = method
@@ -40,53 +56,75 @@ def get_method(name: str):
     return _REGISTRY[name]
 
 
-_NEVER = MappingProxyType({"paper": False, "mergekit": False})
+def mergekit_methods() -> list[str]:
+    """The methods mergekit runs under the same name, i.e. those `merge_checkpoints` offers."""
+    return [name for name, method in _REGISTRY.items() if method.mergekit]
+
+
+def validate_merge_params(method: str, params: Mapping, *, count: int | None = None) -> MergeSettings:
+    """The settings of one `method` merge, validated by its model (`METHODS[method].settings`).
+
+    `params` are the method's keywords (a None value means the method's default); `count`, the
+    number of inputs where known, checks `weights` against it and fills in the default weights.
+    Validates a whole merge grid at config load time, before any work.
+
+    Raises:
+        ValueError: an unknown method (the valid ones are listed), an unknown parameter (the
+            method's are listed), or a value out of range (one line per field, naming it, the
+            value received and the range).
+    """
+    settings = get_method(method).settings
+    if not isinstance(params, Mapping):
+        raise ValueError(f"`params` of `{method}` must be a mapping of parameter names to values, got {type(params).__name__}")
+    try:
+        return settings.model_validate(dict(params), context={"count": count})
+    except ValidationError as error:
+        raise readable_error(error, settings, f"`{method}`") from None
+
 
 for _method in (
     Linear(),
     GeneralizedTaskArithmetic(
-        name="task_arithmetic",
+        settings=TaskArithmeticSettings,
         sparsification=None,
         sign_consensus=False,
-        normalize_default=_NEVER,
         reference="https://arxiv.org/abs/2212.04089",
+        mergekit=True,
     ),
     GeneralizedTaskArithmetic(
-        name="ties",
+        settings=TiesSettings,
         sparsification="magnitude",
         sign_consensus=True,
-        normalize_default=MappingProxyType({"paper": True, "mergekit": True}),
         reference="https://arxiv.org/abs/2306.01708",
-        trim_scope_default="global",
+        mergekit=True,
     ),
     GeneralizedTaskArithmetic(
-        name="dare_linear",
+        settings=DareLinearSettings,
         sparsification="random",
         sign_consensus=False,
-        normalize_default=_NEVER,
         reference="https://arxiv.org/abs/2311.03099",
+        mergekit=True,
     ),
     GeneralizedTaskArithmetic(
-        name="dare_ties",
+        settings=DareTiesSettings,
         sparsification="random",
         sign_consensus=True,
-        normalize_default=MappingProxyType({"paper": True, "mergekit": False}),
         reference="https://arxiv.org/abs/2311.03099",
+        mergekit=True,
     ),
     GeneralizedTaskArithmetic(
-        name="magnitude_prune",
+        settings=MagnitudePruneSettings,
         sparsification="magnitude",
         sign_consensus=False,
-        normalize_default=_NEVER,
         reference="peft.utils.merge_utils.magnitude_prune",
+        mergekit=False,  # mergekit has no plain magnitude pruning
     ),
     GeneralizedTaskArithmetic(
-        name="breadcrumbs",
+        settings=BreadcrumbsSettings,
         sparsification="outliers",
         sign_consensus=False,
-        normalize_default=_NEVER,
         reference="https://arxiv.org/abs/2312.06795",
-        global_trim_allowed=False,
+        mergekit=True,
     ),
 ):
     register(_method)

@@ -1,93 +1,243 @@
-"""The resolved, validated parameters of one merge, as a typed (pydantic) record.
+"""The parameters of each merge method, as one typed (pydantic) model per method.
 
-Every merge method resolves the keywords it was called with into a `MergeSettings`: defaults
-filled in from the definition it follows, every value checked. The record is what `merge(...,
-out_dir=...)` writes next to its output, and what a YAML file can hold.
+A method family is one general model configured, as in mergekit: TIES is magnitude pruning plus
+sign consensus, DARE-TIES is DARE plus sign consensus:
+
+    MergeSettings ── LinearSettings
+                  └─ TaskArithmeticSettings ── MagnitudePruneSettings ── BreadcrumbsSettings
+                                            │                        └─ TiesSettings (+ SignConsensus)
+                                            └─ DareLinearSettings ── DareTiesSettings (+ SignConsensus)
+
+Validating fills in the defaults of the definition the method follows, so a model is the resolved
+record of one merge: what `merge(..., out_dir=...)` writes next to its output, and what a YAML
+file can hold. None for a parameter means the method's default. Each registry entry holds its
+model (`METHODS["ties"].settings`); `merging.registry.validate_merge_params` validates by name.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo
+from pydantic import field_validator, model_validator
 
 Consensus = Literal["paper", "mergekit"]
-TrimScope = Literal["global", "per_tensor"]
 SignElection = Literal["mass", "count"]
+TrimScope = Literal["global", "per_tensor"]
 Rescale = Literal["inverse", "l1"]
 
-CONSENSUS_VALUES = ("paper", "mergekit")
-TRIM_SCOPES = ("global", "per_tensor")
-SIGN_ELECTIONS = ("mass", "count")
-RESCALES = ("inverse", "l1")
+
+def _within(interval: str, contains: Callable[[float], bool]) -> AfterValidator:
+    def check(value: float) -> float:
+        if not contains(value):
+            raise ValueError(f"must be in {interval}")
+        return value
+
+    return AfterValidator(check)
+
+
+Density = Annotated[float, _within("(0, 1]", lambda value: 0.0 < value <= 1.0)]
+Rate = Annotated[float, _within("[0, 1)", lambda value: 0.0 <= value < 1.0)]
+Seed = Annotated[int, Field(ge=0)]
 
 
 class MergeSettings(BaseModel):
-    """One merge, fully resolved. Fields that do not apply to the method are None."""
+    """What every method takes: the weights, normalize, and the convention keywords.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Convention keywords (consensus, sign_election, trim_scope, rescale, seed) are accepted by
+    every method, so one set of them (`MERGEKIT_MODE`, a seed) fits every method; they are
+    checked always and recorded only by the methods they apply to, which redeclare them.
+    """
+
+    # strict: no "0.5" for 0.5, no True for 1.0; floats must be finite.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     method: str
-    weights: list[float]
-    normalize: bool
-    lam: float | None = None
-    density: float | None = None
-    drop_rate: float | None = None
-    gamma: float | None = None
-    seed: int | None = None
-    consensus: Consensus | None = None
-    sign_election: SignElection | None = None
-    trim_scope: TrimScope | None = None
-    rescale: Rescale | None = None
+    weights: list[float] | None = Field(None, validate_default=True, description="w_i per input, default 1.0 each")
+    consensus: Consensus = Field("paper", exclude=True)
+    sign_election: SignElection = Field("mass", exclude=True)
+    trim_scope: TrimScope = Field("per_tensor", exclude=True)
+    rescale: Rescale = Field("inverse", exclude=True)
+    seed: Seed = Field(0, exclude=True)
+    normalize: bool = False
+
+    # normalize=True divides by Σ w; sign-elected merges divide by the agreeing entries instead.
+    divides_by_weight_sum: ClassVar[bool] = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_is_the_default(cls, data):
+        if isinstance(data, Mapping):
+            return {name: value for name, value in data.items() if value is not None}
+        return data
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _weights_as_list(cls, weights):
+        """Any sequence of numbers (a tuple, a tensor, an array); torch / numpy scalars become numbers."""
+        if isinstance(weights, (str, bytes, Mapping)) or not hasattr(weights, "__len__"):
+            return weights  # the type check reports it
+        return [weight.item() if hasattr(weight, "item") else weight for weight in weights]
+
+    @field_validator("weights")
+    @classmethod
+    def _one_weight_per_input(cls, weights, info: ValidationInfo):
+        """With the number of inputs (validation context `count`): one weight each, default 1.0."""
+        count = (info.context or {}).get("count")
+        if count is None:
+            return weights
+        if weights is None:
+            return [1.0] * count
+        if len(weights) != count:
+            raise ValueError(f"must hold one weight per input ({count})")
+        return weights
+
+    @model_validator(mode="after")
+    def _weight_sum_is_not_zero(self):
+        if self.normalize and self.divides_by_weight_sum and self.weights and abs(sum(self.weights)) < 1e-8:
+            raise ValueError(f"`weights` sum to {sum(self.weights)}; normalize=True divides by that sum")
+        return self
 
 
-def check_choice(name: str, value, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise ValueError(f"`{name}` must be one of {list(allowed)}, got {value!r}")
-    return value
+class LinearSettings(MergeSettings):
+    """Weight averaging (model soups): θ = Σ_i w_i θ_i / Σ_i w_i; no λ (scale with `weights`)."""
+
+    method: Literal["linear"] = "linear"
+    normalize: bool = True
 
 
-def check_real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"`{name}` must be a finite real number, got {value!r}")
-    return float(value)
+class TaskArithmeticSettings(MergeSettings):
+    """θ = θ_base + λ Σ_i w_i τ_i."""
+
+    method: Literal["task_arithmetic"] = "task_arithmetic"
+    lam: float = Field(1.0, description="λ, the scale of the merged task vector")
 
 
-def check_density(value, name: str = "density") -> float:
-    value = check_real(name, value)
-    if not 0.0 < value <= 1.0:
-        raise ValueError(f"`{name}` must be in (0, 1], got {value}")
-    return value
+class MagnitudePruneSettings(TaskArithmeticSettings):
+    """Task arithmetic on task vectors trimmed to their largest-magnitude entries."""
+
+    method: Literal["magnitude_prune"] = "magnitude_prune"
+    trim_scope: TrimScope = "per_tensor"
+    density: Density = Field(description="in (0, 1], the fraction of entries kept")
 
 
-def check_drop_rate(value) -> float:
-    value = check_real("drop_rate", value)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"`drop_rate` must be in [0, 1), got {value}")
-    return value
+class BreadcrumbsSettings(MagnitudePruneSettings):
+    """Magnitude pruning that also drops the largest `gamma` of the entries (outliers), per tensor."""
+
+    method: Literal["breadcrumbs"] = "breadcrumbs"
+    gamma: Rate = Field(0.01, description="in [0, 1), the fraction of largest entries removed")
+
+    @model_validator(mode="after")
+    def _per_tensor(self):
+        if self.trim_scope != "per_tensor":
+            raise ValueError(f"`trim_scope` must be 'per_tensor' for `{self.method}`, got {self.trim_scope!r}")
+        return self
 
 
-def check_gamma(value) -> float:
-    value = check_real("gamma", value)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"`gamma` must be in [0, 1), got {value}")
-    return value
+class DareLinearSettings(TaskArithmeticSettings):
+    """Task arithmetic on task vectors with entries dropped at random (DARE), the rest rescaled."""
+
+    method: Literal["dare_linear"] = "dare_linear"
+    seed: Seed = 0
+    rescale: Rescale = Field(default_factory=lambda data: "l1" if data.get("consensus") == "mergekit" else "inverse")
+    density: Density | None = Field(None, description="1 − drop_rate; give one of the two")
+    drop_rate: Rate | None = Field(
+        default_factory=lambda data: None if data.get("density") is None else 1.0 - data["density"],
+        description="in [0, 1), DARE's p",
+    )
+
+    @model_validator(mode="after")
+    def _drop_rate_or_density(self):
+        if {"density", "drop_rate"} <= self.model_fields_set:
+            raise ValueError(f"give `drop_rate` or `density` (= 1 − drop_rate) for `{self.method}`, not both")
+        if self.drop_rate is None:
+            raise ValueError(f"`{self.method}` needs `drop_rate` in [0, 1) (or `density` = 1 − drop_rate)")
+        return self
 
 
-def check_seed(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"`seed` must be a non-negative integer, got {value!r}")
-    return value
+class SignConsensus(BaseModel):
+    """Elect a sign per entry and keep only the entries that agree with it (TIES); λ > 0.
+
+    A mixin, listed first: `class TiesSettings(SignConsensus, MagnitudePruneSettings)`. It derives
+    from BaseModel only, because pydantic takes an inherited field from the first base that has
+    it, so a first base holding every field would override the second base's declarations.
+    """
+
+    consensus: Consensus = "paper"
+    sign_election: SignElection = "mass"
+    normalize: bool = True
+
+    divides_by_weight_sum: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _positive_lam(self):
+        if self.lam <= 0:
+            raise ValueError(
+                f"`lam` must be > 0 for `{self.method}` (a sign-elected merge scaled by λ ≤ 0 flips "
+                f"or erases the elected signs), got {self.lam}"
+            )
+        return self
 
 
-def check_weights(weights, count: int) -> list[float]:
-    """One finite real weight per input; None means 1.0 each."""
-    if weights is None:
-        return [1.0] * count
-    if isinstance(weights, (str, bytes)) or not hasattr(weights, "__len__"):
-        raise ValueError(f"`weights` must be a sequence of {count} numbers, got {weights!r}")
-    weights = [float(w) if hasattr(w, "item") else w for w in weights]
-    if len(weights) != count:
-        raise ValueError(f"`weights` must hold one weight per input ({count}), got {len(weights)}")
-    return [check_real(f"weights[{index}]", weight) for index, weight in enumerate(weights)]
+class TiesSettings(SignConsensus, MagnitudePruneSettings):
+    """TIES: magnitude pruning (global, as in the paper), sign election, disjoint mean."""
+
+    method: Literal["ties"] = "ties"
+    trim_scope: TrimScope = "global"
+
+
+class DareTiesSettings(SignConsensus, DareLinearSettings):
+    """DARE's random drop with TIES's sign election; mergekit does not normalise by default."""
+
+    method: Literal["dare_ties"] = "dare_ties"
+    normalize: bool = Field(default_factory=lambda data: data.get("consensus") != "mergekit")
+
+
+def parameter_names(settings: type[BaseModel]) -> list[str]:
+    """The keywords a method takes: every field of its settings but `method`."""
+    return [name for name in settings.model_fields if name != "method"]
+
+
+# Our words for pydantic's error types; the others keep pydantic's message.
+_REASONS = {
+    "float_type": "must be a finite real number",
+    "finite_number": "must be a finite real number",
+    "int_type": "must be an integer",
+    "bool_type": "must be True or False (or None for the method's default)",
+    "list_type": "must be a list",
+    "greater_than_equal": "must be >= {ge}",
+    "literal_error": "must be {expected}",
+    "extra_forbidden": "is not a known field",
+}
+
+
+def readable_error(error: ValidationError, model: type[BaseModel], subject: str) -> ValueError:
+    """pydantic's ValidationError, raised by validating `model`, as a ValueError with one line per wrong field.
+
+    Each line names the field, the value received and what is allowed:
+    "`density` must be in (0, 1], got 1.5". `subject` names what was validated ("`ties`"); an
+    unknown field lists the valid ones, a missing one gives its description. Errors of a whole
+    model are sentences already and are kept as they are.
+    """
+    lines = []
+    for item in error.errors(include_url=False):
+        kind, location, context = item["type"], item["loc"], item.get("ctx", {})
+        name = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in location).lstrip(".")
+        if kind == "default_factory_not_called":
+            continue  # a field it depends on is wrong, and has its own line
+        if kind == "missing":
+            field = model.model_fields.get(name)
+            description = f": {field.description}" if field is not None and field.description else ""
+            lines.append(f"{subject} needs `{name}`{description}")
+        elif kind == "extra_forbidden" and len(location) == 1:
+            lines.append(f"`{name}` does not apply to {subject}; valid parameters: {', '.join(parameter_names(model))}")
+        elif kind == "value_error" and not location:
+            lines.append(str(context["error"]))
+        elif kind == "value_error":
+            lines.append(f"`{name}` {context['error']}, got {item['input']!r}")
+        elif kind in _REASONS:
+            lines.append(f"`{name}` {_REASONS[kind].format(**context)}, got {item['input']!r}")
+        else:
+            lines.append(f"`{name}`: {item['msg']}, got {item['input']!r}")
+    return ValueError("\n".join(lines))
