@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
-SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0-3, as in `composition.tiny`'s config
+# ids 0-3, as in `composition.tiny`'s config
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
 @dataclass(frozen=True)
@@ -57,25 +60,23 @@ def read_jsonl(path: str | os.PathLike, max_records: int | None = None) -> list[
     return records
 
 
-def char_tokenizer(characters: str | Sequence[str]):
+def char_tokenizer(characters: str | Sequence[str], special_tokens: Mapping[str, str] | None = None) -> PreTrainedTokenizerFast:
     """A character-level `PreTrainedTokenizerFast` built locally with the `tokenizers` library.
 
-    Ids 0-3 are `<pad>`, `<s>`, `</s>`, `<unk>`; then one id per character, in the given order.
-    Every character is its own token (newlines included); unknown characters map to `<unk>`.
+    `special_tokens` maps transformers' names to tokens (default `SPECIAL_TOKENS`: `<pad>`, `<s>`,
+    `</s>`, `<unk>`); they take ids 0, 1, … in that order, then one id per character in the given
+    order. Every character is its own token (newlines included). Unknown characters map to the
+    `unk_token` where there is one, and raise otherwise.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
+    special_tokens = dict(SPECIAL_TOKENS if special_tokens is None else special_tokens)
     characters = list(dict.fromkeys(characters))
     if any(len(c) != 1 for c in characters):
         raise ValueError(f"`characters` must be single characters, got {[c for c in characters if len(c) != 1]}")
-    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *characters])}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    vocab = {token: index for index, token in enumerate([*special_tokens.values(), *characters])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=special_tokens.get("unk_token")))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special_tokens)
 
 
 @dataclass(frozen=True)

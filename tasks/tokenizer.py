@@ -1,7 +1,7 @@
 """A character-level transformers tokenizer: one token per character, plus three special tokens.
 
-Built with the `tokenizers` library (WordLevel over single characters, `Fuse` decoder), wrapped
-as a `PreTrainedTokenizerFast`, so it is saved with every checkpoint and reloads with
+Built by `analysis.data.char_tokenizer` (WordLevel over single characters, `Fuse` decoder), a
+`PreTrainedTokenizerFast`, so it is saved with every checkpoint and reloads with
 `AutoTokenizer.from_pretrained`.
 """
 
@@ -9,22 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-PAD, EOS, SEP = "<pad>", "<eos>", "<sep>"
-SPECIAL_TOKENS = (PAD, EOS, SEP)  # ids 0, 1, 2; characters follow in alphabet order
+from analysis.data import char_tokenizer
+
+PAD, EOS, SEP = "<pad>", "<eos>", "<sep>"  # ids 0, 1, 2; characters follow in alphabet order
 
 
 def build_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     """`<pad>`=0, `<eos>`=1, `<sep>`=2, then one id per character of `alphabet`, in order."""
     if len(alphabet) == 0 or len(set(alphabet)) != len(alphabet):
         raise ValueError(f"`alphabet` must be a non-empty string of distinct characters, got {alphabet!r}")
-    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=None))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, sep_token=SEP)
+    return char_tokenizer(alphabet, {"pad_token": PAD, "eos_token": EOS, "sep_token": SEP})
 
 
 def encode_strings(tokenizer: PreTrainedTokenizerFast, texts: Sequence[str]) -> list[list[int]]:
