@@ -1,4 +1,5 @@
-"""The `mergecompose` command line. Each package adds its own subcommands; this file only gathers them."""
+"""The `mergecompose` command line. Each package adds its own subcommands; this file gathers them and
+reports their errors in one place (`main`)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,30 @@ import argparse
 import importlib
 import sys
 
+import yaml
+from pydantic import ValidationError
+
+from composition.cli_common import command_settings
+
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
 _COMMAND_MODULES = ["composition.cli", "merging.cli", "analysis.cli", "tasks.cli", "tasks.skills_cli"]
 
+# Errors caused by the user's input, reported in one line. pydantic's ValidationError is a ValueError.
+# OSError covers FileExistsError, FileNotFoundError and NotADirectoryError, and the plain OSError of
+# transformers' `from_pretrained` for a model folder that does not exist.
+EXPECTED_ERRORS = (ValueError, OSError, yaml.YAMLError)
+
+_DESCRIPTION = (
+    "Merge experts in parameter space, compose them in probability space, and compare the two. "
+    "An expected error (a bad path, value or config) is one line on stderr, `mergecompose COMMAND: error: ...`, "
+    "and exit status 2; `mergecompose --debug COMMAND ...` shows its traceback instead."
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mergecompose", description=__doc__)
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="mergecompose", description=_DESCRIPTION)
+    parser.add_argument("--debug", action="store_true", help="on an error, show the traceback (give it before COMMAND)")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in _COMMAND_MODULES:
         importlib.import_module(module_name).add_commands(subparsers)
     return parser
@@ -20,7 +38,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        with command_settings(getattr(args, "threads", None), getattr(args, "quiet", False)):
+            return int(args.func(args) or 0)
+    except EXPECTED_ERRORS as error:
+        if args.debug:
+            raise
+        print(f"mergecompose {args.command}: error: {error_message(error)}", file=sys.stderr)
+        return 2
+
+
+def error_message(error: BaseException) -> str:
+    """The error as one line. pydantic's errors become `field: message (got value)` joined with "; ";
+    other multi-line messages (e.g. a config error that embeds pydantic's) have their lines joined
+    with "; ", without pydantic's "For further information visit ..." links."""
+    if isinstance(error, ValidationError):
+        return f"{error.title}: " + "; ".join(_validation_problem(problem) for problem in error.errors())
+    text = ""
+    for line in str(error).splitlines():
+        line = line.strip()
+        if not line or line.startswith("For further information visit"):
+            continue
+        text += line if not text else (" " if text.endswith(":") else "; ") + line
+    return text or type(error).__name__
+
+
+def _validation_problem(problem: dict) -> str:
+    where = ".".join(str(part) for part in problem["loc"])
+    message = f"{where}: {problem['msg']}" if where else problem["msg"]
+    received = repr(problem.get("input"))
+    # Our validators' messages name the value already; a missing field's input is the whole mapping.
+    if where and problem["type"] not in ("value_error", "missing") and len(received) <= 80:
+        message += f" (got {received})"
+    return message
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import yaml
 
+from composition.cli_common import add_common_flags
+
 
 def add_commands(subparsers) -> None:
     overlap = subparsers.add_parser(
@@ -19,8 +21,6 @@ def add_commands(subparsers) -> None:
     overlap.add_argument("--expert", action="append", dest="experts", help="expert checkpoint or adapter (repeat)")
     overlap.add_argument("--merged", help="the task-arithmetic merge θ_b + λΣτ_i (checkpoint or adapter)")
     overlap.add_argument("--data", help='jsonl with {"text": ...} or {"prompt": ..., "completion": ...} records')
-    overlap.add_argument("--out", help="output folder (refused if it exists, unless --overwrite)")
-    overlap.add_argument("--overwrite", action="store_true", default=None)
     overlap.add_argument("--tokenizer", help="tokenizer folder (default: the base's)")
     overlap.add_argument("--lam", type=float, help="λ: composition exponent of every expert and the merge's scale")
     overlap.add_argument("--batch-size", type=int, dest="batch_size")
@@ -37,18 +37,19 @@ def add_commands(subparsers) -> None:
     overlap.add_argument("--epsilon", type=float, help="activity / support threshold ε in nats (default 0.1)")
     overlap.add_argument("--eta", type=float, help="support probability floor η (default 1e-3)")
     overlap.add_argument("--seed", type=int, help="reservoir seed")
-    overlap.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_common_flags(overlap, out="output folder (refused if it exists, unless --overwrite)")
+    overlap.set_defaults(overwrite=None)  # unset: the config's `overwrite` (or its default) applies
     overlap.set_defaults(func=run_overlap_command)
 
     sweep = subparsers.add_parser(
         "overlap-sweep",
         help="train letter experts for many rule pairs; correlate output-space overlap with composition and merge error",
     )
-    sweep.add_argument("config", help="a sweep YAML (analysis.sweep.SweepConfig), e.g. configs/sweep_letters.yaml")
-    sweep.add_argument("--out", required=True, help="run folder: sweep.json, sweep.md, plots, cached checkpoints")
-    sweep.add_argument("--overwrite", action="store_true", help="replace the results of another config in --out")
-    sweep.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    sweep.add_argument("--quiet", action="store_true", help="no progress bars")
+    sweep.add_argument("config", help="a sweep YAML (tasks.letters.sweep.SweepConfig), e.g. configs/sweep_letters.yaml")
+    add_common_flags(
+        sweep, out="run folder: sweep.json, sweep.md, plots, cached checkpoints", out_required=True,
+        overwrite="replace the results of another config in --out", default_threads=1,
+    )
     sweep.set_defaults(func=run_sweep_command)
 
 
@@ -89,13 +90,14 @@ def run_overlap_command(args) -> int:
     config = config_from_args(args)
     results = run_overlap(config, progress=not args.quiet)
     print(terminal_table(results))
-    print(f"\nwrote {config.out}/overlap.json, overlap.md, config.yaml and plots")
+    if not args.quiet:
+        print(f"\nwrote {config.out}/overlap.json, overlap.md, config.yaml and plots")
     return 0
 
 
 def load_sweep_config(path: str):
     """Read a sweep YAML with `yaml.safe_load` and validate it as `SweepConfig`."""
-    from analysis.sweep import SweepConfig
+    from tasks.letters.sweep import SweepConfig
 
     file = Path(path)
     if not file.is_file():
@@ -107,27 +109,20 @@ def load_sweep_config(path: str):
 
 
 def run_sweep_command(args) -> int:
-    import torch
     from transformers.utils import logging as transformers_logging
 
     from analysis.report import format_number
-    from analysis.sweep import run_sweep
+    from tasks.letters.sweep import run_sweep
 
-    if args.threads < 1:
-        raise ValueError(f"`--threads` must be >= 1, got {args.threads}")
     config = load_sweep_config(args.config)
     transformers_logging.disable_progress_bar()
-    previous = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        results = run_sweep(config, args.out, overwrite=args.overwrite, progress=not args.quiet)
-    finally:
-        torch.set_num_threads(previous)
+    results = run_sweep(config, args.out, overwrite=args.overwrite, progress=not args.quiet)  # `main` applies --threads
     keys = ["pair", "mass_overlap", "mass_overlap_weighted", "sign_conflict", "linearization_error", "compose_accuracy", "merge_accuracy", "merge_method"]
     rows = [keys] + [[format_number(row[key]) for key in keys] for row in results["rows"]]
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(keys))]
     print("\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) for row in rows))
     for name, correlation in results["statistics"]["spearman"].items():
         print(f"Spearman {name}: rho={format_number(correlation['rho'])} p={format_number(correlation['p_value'])} n={correlation['n']}")
-    print(f"\nwrote {args.out}/sweep.json, sweep.md, overlap_vs_error.png, config.yaml")
+    if not args.quiet:
+        print(f"\nwrote {args.out}/sweep.json, sweep.md, overlap_vs_error.png, config.yaml")
     return 0

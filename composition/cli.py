@@ -7,17 +7,20 @@ from pathlib import Path
 
 import torch
 
+from composition.cli_common import add_common_flags
+from composition import ComposedLM
+from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
+
 
 def add_commands(subparsers) -> None:
     demo = subparsers.add_parser("demo", help="composed greedy generation on a tiny random model (no downloads)")
     demo.add_argument("--max-new-tokens", type=int, default=12)
     demo.add_argument("--seed", type=int, default=0)
+    add_common_flags(demo)
     demo.set_defaults(func=run_demo)
 
 
 def run_demo(args) -> int:
-    from composition import ComposedLM
-    from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
 
     config = tiny_llama_config()
     base = random_llama(config, seed=args.seed)
@@ -33,7 +36,8 @@ def run_demo(args) -> int:
     base_only = base.generate(
         prompts, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=2, pad_token_id=0
     )
-    print("Composed greedy decoding: tiny random Llama base + 2 random LoRA experts on one shared base copy")
+    if not args.quiet:
+        print("Composed greedy decoding: tiny random Llama base + 2 random LoRA experts on one shared base copy")
     print(f"{'row':<4} {'prompt':<20} {'base alone':<40} composed")
     for row in range(prompts.shape[0]):
         prompt = prompts[row][mask[row].bool()].tolist()

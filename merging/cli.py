@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
+
+from composition.cli_common import add_common_flags
+from composition.io import atomic_output_dir, refuse_existing
 
 
 def add_commands(subparsers) -> None:
     merge = subparsers.add_parser(
-        "merge", help="merge checkpoints on disk through mergekit (mergekit YAML unchanged, or our typed config)"
+        "merge", help="merge checkpoints on disk through mergekit (mergekit YAML unchanged, or our typed config)",
+        description="mergecompose merge CONFIG --out DIR; the older form `merge CONFIG DIR` does the same.",
     )
     merge.add_argument("config", help="a mergekit YAML file (merge_method: ...) or ours (method: ...)")
-    merge.add_argument("out_dir", help="output folder, written atomically")
-    merge.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    merge.add_argument("out_dir", nargs="?", metavar="DIR", help=argparse.SUPPRESS)  # the older form of --out
+    add_common_flags(merge, out="output folder, written atomically")
     merge.set_defaults(func=run_merge)
 
     task_vector = subparsers.add_parser(
@@ -21,8 +25,20 @@ def add_commands(subparsers) -> None:
     )
     task_vector.add_argument("base", help="base checkpoint folder (safetensors)")
     task_vector.add_argument("finetuned", nargs="+", help="fine-tuned checkpoint folders or LoRA adapter folders")
-    task_vector.add_argument("--json", dest="json_path", help="also write the figures to this JSON file")
+    add_common_flags(task_vector, out="also write the figures to DIR/task_vectors.json")
     task_vector.set_defaults(func=run_task_vector)
+
+
+def merge_out_dir(args) -> str:
+    """The output folder of `merge`, given as `--out DIR` or, in the older form, as the second positional."""
+    if args.out is not None and args.out_dir is not None:
+        raise ValueError(
+            f"give the output folder once, as `--out DIR` (or the older `merge CONFIG DIR`), got both "
+            f"{args.out_dir!r} and `--out` {args.out!r}"
+        )
+    if args.out is None and args.out_dir is None:
+        raise ValueError("the output folder is missing: give `--out DIR` (or the older `merge CONFIG DIR`)")
+    return args.out if args.out is not None else args.out_dir
 
 
 def run_merge(args) -> int:
@@ -30,12 +46,9 @@ def run_merge(args) -> int:
 
     from merging.checkpoints import load_merge_config, merge_checkpoints
 
-    try:
-        mergekit_config, _ = load_merge_config(args.config)
-        out_dir = merge_checkpoints(args.config, args.out_dir, overwrite=args.overwrite)
-    except (ValueError, FileExistsError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    out = merge_out_dir(args)
+    mergekit_config, _ = load_merge_config(args.config)
+    out_dir = merge_checkpoints(args.config, out, overwrite=args.overwrite, options={"quiet": args.quiet})
     print(f"mergekit `{mergekit_config['merge_method']}` merge written to {out_dir}")
     print(f"{'file':<32} {'bytes':>12}  contents")
     for path in sorted(out_dir.iterdir()):
@@ -52,22 +65,20 @@ def run_merge(args) -> int:
 def run_task_vector(args) -> int:
     from merging.task_vector import TaskVector
 
+    if args.out is not None:
+        refuse_existing(args.out, args.overwrite)  # before the work, not after
     labels = _labels(args.finetuned)
     task_vectors = {}
     base_model = None
-    try:
-        for label, path in zip(labels, args.finetuned):
-            if (Path(path) / "adapter_config.json").exists():
-                if base_model is None:
-                    from transformers import AutoModelForCausalLM
+    for label, path in zip(labels, args.finetuned):
+        if (Path(path) / "adapter_config.json").exists():
+            if base_model is None:
+                from transformers import AutoModelForCausalLM
 
-                    base_model = AutoModelForCausalLM.from_pretrained(args.base)
-                task_vectors[label] = TaskVector.from_lora(base_model, path)
-            else:
-                task_vectors[label] = TaskVector.from_checkpoints(args.base, path)
-    except (ValueError, OSError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+                base_model = AutoModelForCausalLM.from_pretrained(args.base)
+            task_vectors[label] = TaskVector.from_lora(base_model, path)
+        else:
+            task_vectors[label] = TaskVector.from_checkpoints(args.base, path)
 
     norms = {label: task_vector.norm() for label, task_vector in task_vectors.items()}
     layer_norms = {label: task_vector.layer_norms() for label, task_vector in task_vectors.items()}
@@ -93,7 +104,7 @@ def run_task_vector(args) -> int:
             row = "".join(f" {_format(cosines[first][second]):>12}" for second in labels)
             print(f"{first:<{width}}{row}")
 
-    if args.json_path:
+    if args.out is not None:
         record = {
             "base": args.base,
             "task_vectors": {
@@ -102,8 +113,10 @@ def run_task_vector(args) -> int:
             },
             "cosine": cosines,
         }
-        Path(args.json_path).write_text(json.dumps(record, indent=2))
-        print(f"\nwrote {args.json_path}")
+        with atomic_output_dir(args.out, args.overwrite) as folder:
+            (folder / "task_vectors.json").write_text(json.dumps(record, indent=2))
+        if not args.quiet:
+            print(f"\nwrote {Path(args.out) / 'task_vectors.json'}")
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from composition.cli_common import add_common_flags
+
 
 def add_commands(subparsers) -> None:
     compare = subparsers.add_parser(
@@ -9,10 +11,10 @@ def add_commands(subparsers) -> None:
         help="train a base and its experts, build every merge and the composition, evaluate all on the same data",
     )
     compare.add_argument("config", help="a YAML config, e.g. configs/letters.yaml")
-    compare.add_argument("--out", required=True, help="run folder: results, plots and cached checkpoints")
-    compare.add_argument("--overwrite", action="store_true", help="replace results of another config in --out")
-    compare.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-    compare.add_argument("--threads", type=int, default=1, help="torch threads (default 1: fastest for these tiny models)")
+    add_common_flags(  # one torch thread is the fastest for these tiny models
+        compare, out="run folder: results, plots and cached checkpoints", out_required=True,
+        overwrite="replace results of another config in --out", default_threads=1,
+    )
     compare.set_defaults(func=run)
 
 
@@ -22,9 +24,7 @@ def run(args) -> int:
     from tasks.compare import run_compare
     from tasks.config import load_config
 
-    if args.threads < 1:
-        raise ValueError(f"`--threads` must be >= 1, got {args.threads}")
     config = load_config(args.config)
     transformers_logging.disable_progress_bar()  # one "Loading weights" bar per checkpoint load otherwise
-    run_compare(config, args.out, overwrite=args.overwrite, progress=not args.no_progress, threads=args.threads)
+    run_compare(config, args.out, overwrite=args.overwrite, progress=not args.quiet, threads=args.threads)
     return 0

@@ -29,7 +29,7 @@ def test_merge_command_takes_mergekit_yaml(checkpoints, tmp_path, capsys):
     }
     path = tmp_path / "merge.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert main(["merge", str(path), str(tmp_path / "out")]) == 0
+    assert main(["merge", str(path), "--out", str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out
     assert "task_arithmetic" in printed and "model.safetensors" in printed and "21 tensors, F32" in printed
     base = load_file(str(checkpoints / "base" / "model.safetensors"))
@@ -38,15 +38,15 @@ def test_merge_command_takes_mergekit_yaml(checkpoints, tmp_path, capsys):
     written = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert max((written[name] - expected[name]).abs().max().item() for name in expected) <= 1e-6
 
-    assert main(["merge", str(path), str(tmp_path / "out")]) == 2
+    assert main(["merge", str(path), "--out", str(tmp_path / "out")]) == 2
     assert "already exists" in capsys.readouterr().err
-    assert main(["merge", str(path), str(tmp_path / "out"), "--overwrite"]) == 0
+    assert main(["merge", str(path), "--out", str(tmp_path / "out"), "--overwrite"]) == 0
 
 
 def test_task_vector_command_prints_norms_and_cosines(checkpoints, lora_dirs, base_model, tmp_path, capsys):
-    json_path = tmp_path / "figures.json"
+    json_path = tmp_path / "figures" / "task_vectors.json"
     arguments = ["task-vector", str(checkpoints / "base"), str(checkpoints / "expert_0"), str(checkpoints / "expert_1"),
-                 str(lora_dirs["ab"]), "--json", str(json_path)]
+                 str(lora_dirs["ab"]), "--out", str(tmp_path / "figures")]
     assert main(arguments) == 0
     printed = capsys.readouterr().out
     assert "per-layer norms" in printed and "model.layers.1" in printed and "cosine" in printed
