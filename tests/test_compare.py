@@ -155,7 +155,7 @@ def test_bars_are_reported(small_run):
 def test_cached_rerun_through_the_cli(small_run, capsys):
     config, config_path, out_dir, results, first_seconds = small_run
     stamps = {path: path.stat().st_mtime_ns for path in (out_dir / "checkpoints").rglob("*") if path.is_file()}
-    assert main(["compare", str(config_path), "--out", str(out_dir), "--no-progress"]) == 0
+    assert main(["compare", str(config_path), "--out", str(out_dir), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert "| compose" in printed and "joint (n=48)" in printed
     again = json.loads((out_dir / "results.json").read_text())
