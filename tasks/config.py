@@ -15,11 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from merging import METHODS
-try:  # TEMP-UNTIL-MERGING-LANDS
-    from merging import validate_merge_params
-except ImportError:  # TEMP-UNTIL-MERGING-LANDS
-    def validate_merge_params(method, params): return None  # TEMP-UNTIL-MERGING-LANDS
+from merging import METHODS, validate_merge_params
 from tasks.registry import validate_task
 from tasks.remedies import RemedySettings
 
@@ -266,8 +262,11 @@ class CompareConfig(_Strict):
             data["name"] = f"{self.name}/{name}"
             try:
                 resolved[name] = CompareConfig.model_validate(data)
-            except (ValidationError, ValueError) as error:
-                raise ValueError(f"`variants.{name}`: {error}") from error
+            except ValidationError as error:
+                problems = "; ".join(
+                    f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}, got {e['input']!r}" for e in error.errors()
+                )
+                raise ValueError(f"`variants.{name}`: {problems}") from None
         return resolved
 
     @property

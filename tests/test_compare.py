@@ -225,6 +225,12 @@ def test_aligned_from_scratch_and_a_results_section(tmp_path):
                 "full": {"steps": 1}, "lora_per_skill": {"ab": SMALL["training"]["experts"]["lora"]}}}},
             "overrides `lora`, which is not set",
         ),
+        # The whole merge grid is validated at load time, before any training.
+        ({"merges": {"ties": {"lam": [1.0], "density": [0.2, 1.5]}}}, r"`density` must be in \(0, 1\], got 1.5"),
+        ({"merges": {"dare_ties": {"drop_rate": [1.0]}}}, "drop_rate"),
+        ({"task": {"type": "sorting"}}, r"unknown task type 'sorting'; valid: \['letters', 'skills'\]"),
+        ({"variants": {"contiguous": {"positions": {"scheme": "diagonal"}}}}, r"`variants.contiguous`: .*scheme"),
+        ({"variants": {"bad-name": {}}}, "variant names must be identifiers"),
     ],
 )
 def test_config_errors_name_the_field(tmp_path, change, message):
@@ -232,3 +238,38 @@ def test_config_errors_name_the_field(tmp_path, change, message):
     path.write_text(yaml.safe_dump({**SMALL, **change}))
     with pytest.raises(ValueError, match=message):
         load_config(path)
+
+
+def test_a_variant_adds_its_systems_and_the_contrast_and_changes_no_main_number(small_run, tmp_path):
+    """A variant (contiguous positions, no LoRA) reuses the main checkpoints and leaves every main number as it was."""
+    _, _, main_dir, main_results, _ = small_run
+    data = {**SMALL, "variants": {"contiguous": {"positions": {"scheme": "contiguous", "randomize": False},
+                                                 "training": {"experts": {"lora": None}}}}}
+    config = CompareConfig.model_validate(data)
+    out_dir = tmp_path / "run"
+    (out_dir / "checkpoints").mkdir(parents=True)
+    for folder in (main_dir / "checkpoints").iterdir():  # the main setting's components, as a cache
+        if folder.is_dir():
+            (out_dir / "checkpoints" / folder.name).symlink_to(folder)
+    results = run_compare(config, out_dir, progress=False, echo=None)
+
+    variant_systems = {f"contiguous/{name}" for name in SYSTEMS if ":lora" not in name}
+    assert set(results["systems"]) == SYSTEMS | variant_systems
+    for name in SYSTEMS:
+        assert results["systems"][name]["splits"] == main_results["systems"][name]["splits"], name
+        assert results["systems"][name]["by_length"] == main_results["systems"][name]["by_length"], name
+    assert all(record["cached"] for record in results["training"].values())  # nothing of the main setting retrained
+    assert not any(record["cached"] for record in results["variants"]["contiguous"]["training"].values())
+
+    contrast = results["contrast"]
+    assert contrast["settings"] == ["main", "contiguous"]
+    assert set(contrast["systems"]) == {"compose", "compose:lora", "merge:linear", "merge:task_arithmetic", "merge:ties", "merge:dare_ties"}
+    assert "contiguous" not in contrast["systems"]["compose:lora"]
+    cell = contrast["systems"]["merge:ties"]["contiguous"]
+    compose = contrast["systems"]["compose"]["contiguous"]
+    assert cell == {k: results["systems"]["contiguous/merge:ties"]["splits"]["joint"][k] for k in ("exact_match", "ci95", "n")}
+    disjoint = cell["ci95"][1] < compose["ci95"][0] or cell["ci95"][0] > compose["ci95"][1]
+    assert contrast["differs"]["contiguous"]["merge:ties"] == disjoint
+    markdown = (out_dir / "results.md").read_text()
+    assert "## Merging against composing" in markdown and "contiguous (n=48)" in markdown
+    assert (out_dir / "length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
