@@ -27,11 +27,11 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import PeftType
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from pydantic import BaseModel, ConfigDict, Field
-from tqdm.auto import tqdm
 
 from composition.adapters import check_adapter_fits, read_adapter
 from composition.io import atomic_output_dir, refuse_existing
 from merging.task_vector import check_same_shape, compute_dtype, state_dict_of
+from merging.training import IGNORE_INDEX, Batch, OptimizerSettings, train_model
 
 
 def _check_lora_config(config: PeftConfig, where: str) -> None:
@@ -240,9 +240,11 @@ def train_lora_expert(
     """Train a LoRA adapter on a deep copy of `base_model` and save it as a peft folder.
 
     `batches` yields dicts with `input_ids` (B, T), optional `attention_mask` (B, T) and `labels`
-    (B, T; -100 is ignored); they are cycled through for `config.steps` AdamW steps. The base
-    model is not modified. The folder (written atomically) holds the adapter and
-    `training_config.json`.
+    (B, T; -100 is ignored), as for a transformers causal LM (the logit at t predicts
+    labels[:, t + 1]); they are cycled through for `config.steps` AdamW steps of
+    `merging.training.train_model`. The base model is not modified. The folder (written
+    atomically) holds the adapter and `training_config.json` with the losses of every step,
+    rounded to 6 decimals.
     """
     config = config or LoraTrainingConfig()
     refuse_existing(out_dir, overwrite)
@@ -261,19 +263,21 @@ def train_lora_expert(
         target_modules=config.target_modules,
     )
     peft_model = get_peft_model(copy.deepcopy(base_model), lora_config)
-    peft_model.train()
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=config.learning_rate)
-    losses = []
-    for step in tqdm(range(config.steps), desc="LoRA training", disable=not progress, leave=False):
-        batch = batches[step % len(batches)]
-        loss = peft_model(**{key: value for key, value in batch.items() if key in ("input_ids", "attention_mask", "labels")}).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    peft_model.eval()
+    # AdamW with torch's default weight decay, at a constant rate, without clipping.
+    settings = OptimizerSettings(
+        lr=config.learning_rate, weight_decay=0.01, schedule="constant", warmup_fraction=0.0, grad_clip=None
+    )
+    stream = (_aligned(batches[step % len(batches)]) for step in range(config.steps))
+    log = train_model(peft_model, stream, settings, config.steps, description="LoRA training", progress=progress, log_every=1)
+    losses = [loss for _, loss in log.losses]
     with atomic_output_dir(out_dir, overwrite) as folder:
         peft_model.save_pretrained(str(folder))
         record = {"config": config.model_dump(), "losses": losses}
         (folder / "training_config.json").write_text(json.dumps(record, indent=2))
     return LoraTraining(Path(out_dir), losses)
+
+
+def _aligned(batch: Mapping[str, torch.Tensor]) -> Batch:
+    """A transformers-style batch (the logit at t predicts labels[:, t + 1]) with labels aligned to the logits."""
+    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T)
+    return Batch(batch["input_ids"], batch.get("attention_mask"), None, labels)
