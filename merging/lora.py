@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from composition.adapters import check_adapter_fits, read_adapter
 from composition.io import atomic_output_dir, refuse_existing
-from merging.task_vector import check_same_shape, compute_dtype, state_dict_of
+from merging.state_dicts import check_same_shape, compute_dtype, state_dict_of
 from merging.training import IGNORE_INDEX, Batch, OptimizerSettings, train_model
 
 

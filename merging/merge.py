@@ -12,7 +12,8 @@ from safetensors.torch import save_file
 
 from composition.io import atomic_output_dir, refuse_existing
 from merging.registry import get_method, validate_merge_params
-from merging.task_vector import TaskVector, check_same_shape, is_mergeable, share_updates_of_tied, state_dict_of
+from merging.state_dicts import check_same_shape, is_mergeable, share_updates_of_tied, state_dict_of
+from merging.task_vector import TaskVector
 
 # Pass as `merge(..., **MERGEKIT_MODE)` to follow mergekit's definitions (what `merge_checkpoints`
 # computes on disk), or `**PEFT_MODE` for peft's `merge_utils`. The defaults follow the papers.

@@ -12,74 +12,17 @@ from collections.abc import Mapping
 import torch
 
 from merging.io import SafetensorsCheckpoint
+from merging.lora import lora_delta_weights
+from merging.state_dicts import (
+    check_same_keys,
+    check_same_shape,
+    compute_dtype,
+    is_mergeable,
+    share_updates_of_tied,
+    state_dict_of,
+)
 
 _LAYER = re.compile(r"^(?P<prefix>.*?\b(?:layers?|h|blocks?)\.\d+)\.")  # model.layers.3., transformer.h.3.
-
-
-def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """float32, or float64 if any input is float64: differences of bf16/fp16 weights are taken in float32."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
-def is_mergeable(tensor: torch.Tensor) -> bool:
-    """Floating-point tensors are merged; integer and bool buffers are skipped, as in the task-vector code."""
-    return tensor.is_floating_point()
-
-
-def check_same_shape(name: str, first: torch.Size | tuple, second: torch.Size | tuple, what=("base", "finetuned")) -> None:
-    if tuple(first) != tuple(second):
-        raise ValueError(
-            f"shape mismatch for tensor `{name}`: {what[0]} has shape {tuple(first)}, "
-            f"{what[1]} has shape {tuple(second)}"
-        )
-
-
-def check_same_keys(first: set[str], second: set[str], what=("base", "finetuned")) -> None:
-    if first != second:
-        only_first, only_second = sorted(first - second), sorted(second - first)
-        raise ValueError(
-            f"tensor names differ: only in {what[0]}: {only_first[:5]}{' ...' if len(only_first) > 5 else ''}; "
-            f"only in {what[1]}: {only_second[:5]}{' ...' if len(only_second) > 5 else ''}"
-        )
-
-
-def state_dict_of(model_or_state_dict, argument: str) -> dict[str, torch.Tensor]:
-    """A detached {name: tensor} view of a torch module or a mapping of tensors (no copy)."""
-    if isinstance(model_or_state_dict, torch.nn.Module):
-        return {name: tensor.detach() for name, tensor in model_or_state_dict.state_dict().items()}
-    if isinstance(model_or_state_dict, Mapping):
-        for name, tensor in model_or_state_dict.items():
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"`{argument}` must map names to tensors, but `{name}` is a {type(tensor).__name__}")
-        return {name: tensor.detach() for name, tensor in model_or_state_dict.items()}
-    raise ValueError(
-        f"`{argument}` must be a torch module or a state dict (mapping of names to tensors), "
-        f"got {type(model_or_state_dict).__name__}"
-    )
-
-
-def tied_groups(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    """Names that share one tensor (tied weights, e.g. lm_head and embed_tokens), groups of ≥ 2."""
-    groups: dict[tuple, list[str]] = {}
-    for name, tensor in state.items():
-        if tensor.numel() > 0:
-            key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
-            groups.setdefault(key, []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
-
-
-def share_updates_of_tied(state: Mapping[str, torch.Tensor], updated: dict[str, torch.Tensor]) -> None:
-    """Give every name tied to an updated name the same update, in place in `updated`.
-
-    A checkpoint of a tied model stores the shared tensor once (e.g. only embed_tokens), so a
-    task vector read from it updates one name; loading a state dict whose other name still holds
-    the old value would overwrite the update.
-    """
-    for names in tied_groups(state):
-        changed = [name for name in names if name in updated]
-        for name in names:
-            if changed and name not in updated:
-                updated[name] = updated[changed[0]]
 
 
 class TaskVector:
@@ -155,8 +98,6 @@ class TaskVector:
         base. DoRA adapters raise a ValueError: their merged weight m · (W + ΔW) / ‖W + ΔW‖ is not
         W + ΔW. See `merging.lora.lora_delta_weights`.
         """
-        from merging.lora import lora_delta_weights
-
         return cls(lora_delta_weights(base_model, adapter))
 
     # ---- algebra --------------------------------------------------------------------------
