@@ -68,11 +68,22 @@ def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     if p.shape != q.shape:
         raise ValueError(f"`p` and `q` must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
     log_p = _logprobs(p)
-    return _kl(log_p, log_p.exp(), _logprobs(q))
+    return kl_from_logprobs(log_p, log_p.exp(), _logprobs(q))
 
 
-def _kl(log_p: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """KL(p ‖ q) from normalised log-probs `log_p`, `log_q` and `p = exp(log_p)`, all `(..., V)`."""
+def kl_from_logprobs(log_p: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """KL(p ‖ q) = Σ_v p(v) (log p(v) − log q(v)) from inputs that are already normalised.
+
+    The kernel of `kl_divergence`, for callers that normalise a batch once and reuse it (the
+    streaming accumulator). Nothing is re-normalised here.
+
+    Args:
+        log_p, log_q: `(..., V)` normalised log-probs, e.g. `(batch, seq, vocab)`;
+        p: `exp(log_p)`, same shape.
+
+    Returns:
+        `(...)`, e.g. `(batch, seq)`, in nats: 0·log 0 = 0, clamped at 0 against rounding.
+    """
     terms = torch.where(p > 0, p * (log_p - log_q), 0.0)  # (..., V)
     return terms.sum(-1).clamp(min=0)
 
@@ -123,7 +134,7 @@ def expert_activity(base: torch.Tensor, experts: Experts) -> torch.Tensor:
         `(k, ...)` float32, in nats.
     """
     stacked = _stack(experts, base)
-    return _kl(stacked, stacked.exp(), _logprobs(base))
+    return kl_from_logprobs(stacked, stacked.exp(), _logprobs(base))
 
 
 def active_experts(activity: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -223,7 +234,7 @@ def centred_deltas(
         `(k, ..., V)` float32.
     """
     base_logprobs = _logprobs(base)
-    return _centred(base_logprobs, _stack(experts, base), floor, centre, base_logprobs.exp())
+    return centred_deltas_from_logprobs(base_logprobs, _stack(experts, base), floor, centre, base_logprobs.exp())
 
 
 def weighted_median(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -244,8 +255,25 @@ def weighted_median(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     return ordered.gather(-1, index)
 
 
-def _centred(base, experts, floor: float = LOGPROB_FLOOR, centre: str = "median", base_probs=None) -> torch.Tensor:
-    """`centred_deltas` on normalised log-probs: base `(..., V)`, experts `(k, ..., V)`."""
+def centred_deltas_from_logprobs(
+    base: torch.Tensor,
+    experts: torch.Tensor,
+    floor: float = LOGPROB_FLOOR,
+    centre: str = "median",
+    base_probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`δ̃_i = δ_i − c_i`, `δ_i = max(ℓ_i, floor) − max(b, floor)`, from normalised log-probs.
+
+    The kernel of `centred_deltas` (which see for the two centres `c_i`), without normalising.
+
+    Args:
+        base: `(..., V)` normalised log-probs `b`, e.g. `(batch, seq, vocab)`;
+        experts: `(k, ..., V)` normalised log-probs `ℓ_i`;
+        base_probs: `exp(base)`, `(..., V)`, used by `"base_weighted_median"` (computed if omitted).
+
+    Returns:
+        `(k, ..., V)`.
+    """
     deltas = experts.clamp(min=floor) - base.clamp(min=floor)  # (k, ..., V)
     if centre == "median":
         return deltas - deltas.median(dim=-1, keepdim=True).values
@@ -272,11 +300,23 @@ def delta_supports(
         raise ValueError(f"`epsilon` must be >= 0, got {epsilon}")
     if not 0 <= eta < 1:
         raise ValueError(f"`eta` must be in [0, 1), got {eta}")
-    return _supports(centred, _logprobs(base).exp(), _stack(experts, base).exp(), epsilon, eta)
+    return delta_supports_from_probs(centred, _logprobs(base).exp(), _stack(experts, base).exp(), epsilon, eta)
 
 
-def _supports(centred, base_probs, expert_probs, epsilon: float, eta: float) -> torch.Tensor:
-    """`delta_supports` from probabilities: base `(..., V)`, experts `(k, ..., V)`."""
+def delta_supports_from_probs(
+    centred: torch.Tensor, base_probs: torch.Tensor, expert_probs: torch.Tensor, epsilon: float, eta: float
+) -> torch.Tensor:
+    """`S_i = {v : |δ̃_i(v)| > ε and max(p_b(v), p_i(v)) > η}` from probabilities, unchecked.
+
+    The kernel of `delta_supports`, which validates ε and η and normalises its inputs.
+
+    Args:
+        centred: `(k, ..., V)` centred deltas δ̃_i, e.g. `(k, batch, seq, vocab)`;
+        base_probs: `(..., V)` p_b; expert_probs: `(k, ..., V)` p_i.
+
+    Returns:
+        `(k, ..., V)` bool.
+    """
     return (centred.abs() > epsilon) & (torch.maximum(expert_probs, base_probs) > eta)
 
 
@@ -287,10 +327,21 @@ def overlap_weights(base: torch.Tensor, expert_i: torch.Tensor, expert_j: torch.
     gives it, so tokens that no model would emit do not dominate the overlap.
     """
     probabilities = [_logprobs(t).exp() for t in (base, expert_i, expert_j, composed)]
-    return _weights(*probabilities)
+    return overlap_weights_from_probs(*probabilities)
 
 
-def _weights(base_probs, probs_i, probs_j, composed_probs) -> torch.Tensor:
+def overlap_weights_from_probs(
+    base_probs: torch.Tensor, probs_i: torch.Tensor, probs_j: torch.Tensor, composed_probs: torch.Tensor
+) -> torch.Tensor:
+    """`w = max(p_b, p_i, p_j, q)` per token from probabilities, the kernel of `overlap_weights`.
+
+    Args:
+        base_probs, probs_i, probs_j, composed_probs: `(..., V)` probabilities, e.g.
+            `(batch, seq, vocab)`.
+
+    Returns:
+        `(..., V)`.
+    """
     return torch.maximum(torch.maximum(base_probs, probs_i), torch.maximum(probs_j, composed_probs))
 
 
@@ -373,17 +424,29 @@ def single_active_error(
         `(kl, eligible)`: `(...)` float32 KL (0 where not eligible) and `(...)` bool,
         `|A_t| ≤ 1`.
     """
-    return _single_active(_logprobs(base), _stack(experts, base), _logprobs(composed), active)
+    return single_active_error_from_logprobs(_logprobs(base), _stack(experts, base), _logprobs(composed), active)
 
 
-def _single_active(base, experts, composed, active) -> tuple[torch.Tensor, torch.Tensor]:
-    """`single_active_error` on normalised log-probs."""
+def single_active_error_from_logprobs(
+    base: torch.Tensor, experts: torch.Tensor, composed: torch.Tensor, active: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`KL(p_ref ‖ q)` where `|A_t| ≤ 1`, `p_ref` the one active expert or else the base.
+
+    The kernel of `single_active_error`, on inputs that are already normalised.
+
+    Args:
+        base: `(..., V)` normalised log-probs, e.g. `(batch, seq, vocab)`; experts: `(k, ..., V)`;
+        composed: `(..., V)` log q; active: `(k, ...)` bool, the active sets `A_t`.
+
+    Returns:
+        `(kl, eligible)`: `(...)` KL (0 where not eligible) and `(...)` bool, `|A_t| ≤ 1`.
+    """
     eligible = active.sum(0) <= 1  # (...)
     # Index 0 is the base, 1 + i expert i.
     choice = torch.where(active.any(0), active.float().argmax(0) + 1, 0)  # (...)
     components = torch.cat([base[None], experts])  # (k+1, ..., V)
     reference = components.gather(0, choice[None, ..., None].expand(1, *base.shape)).squeeze(0)  # (..., V)
-    kl = _kl(reference, reference.exp(), composed)
+    kl = kl_from_logprobs(reference, reference.exp(), composed)
     return torch.where(eligible, kl, torch.zeros_like(kl)), eligible
 
 
@@ -404,11 +467,28 @@ def restricted_projective_error(
         `(k, ...)` float32.
     """
     stacked, log_q = _stack(experts, base), _logprobs(composed)
-    return _restricted(stacked, stacked.exp(), log_q, log_q.exp(), supports)
+    return restricted_projective_error_from_logprobs(stacked, stacked.exp(), log_q, log_q.exp(), supports)
 
 
-def _restricted(experts, expert_probs, composed, composed_probs, supports) -> torch.Tensor:
-    """`restricted_projective_error` on normalised log-probs and probabilities."""
+def restricted_projective_error_from_logprobs(
+    experts: torch.Tensor,
+    expert_probs: torch.Tensor,
+    composed: torch.Tensor,
+    composed_probs: torch.Tensor,
+    supports: torch.Tensor,
+) -> torch.Tensor:
+    """Per expert, `KL(p_i(·|M_i) ‖ q(·|M_i))` with `M_i = S_i ∪ (V \\ ∪_j S_j)`, from normalised inputs.
+
+    The kernel of `restricted_projective_error`.
+
+    Args:
+        experts: `(k, ..., V)` normalised log-probs ℓ_i, e.g. `(k, batch, seq, vocab)`;
+        expert_probs: `exp(experts)`; composed: `(..., V)` log q; composed_probs: `exp(composed)`;
+        supports: `(k, ..., V)` bool supports S_i.
+
+    Returns:
+        `(k, ...)`.
+    """
     background = ~supports.any(0)  # (..., V)
     subsets = supports | background[None]  # (k, ..., V)
     return _conditional_kl(experts, expert_probs, composed.expand_as(experts), composed_probs.expand_as(experts), subsets)

@@ -279,3 +279,38 @@ def test_weighted_median_golden_and_base_weighted_centre():
     torch.testing.assert_close(weighted, delta, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="`centre`"):
         dx.centred_deltas(base, expert, centre="mean")
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_kernels_on_normalised_inputs_equal_the_normalising_functions():
+    """The `*_from_logprobs` / `*_from_probs` kernels the accumulator uses: same values, no re-normalisation.
+
+    Equal up to rounding: log-softmax of log-probs is not bit-exactly the identity.
+    """
+    torch.manual_seed(5)
+    base = torch.log_softmax(torch.randn(3, 4, 12) * 2, -1)  # (batch, seq, vocab)
+    experts = torch.log_softmax(base + torch.randn(2, 3, 4, 12), -1)  # (k, batch, seq, vocab)
+    composed = compose_logprobs(base, list(experts))
+    base_p, experts_p, composed_p = base.exp(), experts.exp(), composed.exp()
+    _close(dx.kl_from_logprobs(experts, experts_p, base), dx.expert_activity(base, experts))
+    for centre in dx.CENTRES:
+        centred = dx.centred_deltas_from_logprobs(base, experts, centre=centre, base_probs=base_p)
+        _close(centred, dx.centred_deltas(base, experts, centre=centre))
+    supports = dx.delta_supports_from_probs(centred, base_p, experts_p, 0.1, 1e-3)
+    assert torch.equal(supports, dx.delta_supports(centred, base, experts, 0.1, 1e-3))
+    assert 0 < int(supports.sum()) < supports.numel()
+    weight = dx.overlap_weights_from_probs(base_p, experts_p[0], experts_p[1], composed_p)
+    _close(weight, dx.overlap_weights(base, experts[0], experts[1], composed))
+    active = dx.expert_activity(base, experts) > 0.1
+    single, eligible = dx.single_active_error_from_logprobs(base, experts, composed, active)
+    reference_single, reference_eligible = dx.single_active_error(base, experts, composed, active)
+    _close(single, reference_single)
+    assert torch.equal(eligible, reference_eligible)
+    restricted = dx.restricted_projective_error_from_logprobs(experts, experts_p, composed, composed_p, supports)
+    _close(restricted, dx.restricted_projective_error(base, experts, composed, supports))
+    # Unnormalised logits are taken as they are: a shift changes the kernel's KL, not expert_activity's.
+    shifted = base + 1.0
+    assert not torch.allclose(dx.kl_from_logprobs(experts, experts_p, shifted), dx.expert_activity(shifted, experts))
