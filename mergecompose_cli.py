@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from composition.cli_common import command_settings
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
-_COMMAND_MODULES = ["composition.cli", "merging.cli", "analysis.cli", "tasks.cli", "tasks.skills_cli"]
+_COMMAND_MODULES = ["composition.cli", "merging.cli", "analysis.cli", "tasks.cli"]
 
 # Errors caused by the user's input, reported in one line. pydantic's ValidationError is a ValueError.
 # OSError covers FileExistsError, FileNotFoundError and NotADirectoryError, and the plain OSError of

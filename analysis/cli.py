@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import yaml
-
+from analysis.report import terminal_table
+from analysis.run import OverlapRunConfig, run_overlap
 from composition.cli_common import add_common_flags
+from composition.io import read_yaml_mapping
 
 
 def add_commands(subparsers) -> None:
@@ -41,17 +40,6 @@ def add_commands(subparsers) -> None:
     overlap.set_defaults(overwrite=None)  # unset: the config's `overwrite` (or its default) applies
     overlap.set_defaults(func=run_overlap_command)
 
-    sweep = subparsers.add_parser(
-        "overlap-sweep",
-        help="train letter experts for many rule pairs; correlate output-space overlap with composition and merge error",
-    )
-    sweep.add_argument("config", help="a sweep YAML (tasks.letters.sweep.SweepConfig), e.g. configs/sweep_letters.yaml")
-    add_common_flags(
-        sweep, out="run folder: sweep.json, sweep.md, plots, cached checkpoints", out_required=True,
-        overwrite="replace the results of another config in --out", default_threads=1,
-    )
-    sweep.set_defaults(func=run_sweep_command)
-
 
 _SETTINGS_FLAGS = ("epsilon", "eta", "seed")
 _RUN_FLAGS = (
@@ -62,16 +50,7 @@ _RUN_FLAGS = (
 
 def config_from_args(args):
     """YAML (if any) first, then every flag that was given; validated as `OverlapRunConfig`."""
-    from analysis.run import OverlapRunConfig
-
-    values = {}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise ValueError(f"`--config` must be an existing YAML file, got {args.config!r}")
-        values = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"`--config` {args.config!r} must hold a mapping, got {type(values).__name__}")
+    values = read_yaml_mapping(args.config, "`--config` overlap config") if args.config else {}
     for name in _RUN_FLAGS:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -84,45 +63,9 @@ def config_from_args(args):
 
 
 def run_overlap_command(args) -> int:
-    from analysis.report import terminal_table
-    from analysis.run import run_overlap
-
     config = config_from_args(args)
     results = run_overlap(config, progress=not args.quiet)
     print(terminal_table(results))
     if not args.quiet:
         print(f"\nwrote {config.out}/overlap.json, overlap.md, config.yaml and plots")
-    return 0
-
-
-def load_sweep_config(path: str):
-    """Read a sweep YAML with `yaml.safe_load` and validate it as `SweepConfig`."""
-    from tasks.letters.sweep import SweepConfig
-
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"sweep config {path!r} does not exist")
-    data = yaml.safe_load(file.read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    return SweepConfig.model_validate(data)
-
-
-def run_sweep_command(args) -> int:
-    from transformers.utils import logging as transformers_logging
-
-    from analysis.report import format_number
-    from tasks.letters.sweep import run_sweep
-
-    config = load_sweep_config(args.config)
-    transformers_logging.disable_progress_bar()
-    results = run_sweep(config, args.out, overwrite=args.overwrite, progress=not args.quiet)  # `main` applies --threads
-    keys = ["pair", "mass_overlap", "mass_overlap_weighted", "sign_conflict", "linearization_error", "compose_accuracy", "merge_accuracy", "merge_method"]
-    rows = [keys] + [[format_number(row[key]) for key in keys] for row in results["rows"]]
-    widths = [max(len(str(row[i])) for row in rows) for i in range(len(keys))]
-    print("\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) for row in rows))
-    for name, correlation in results["statistics"]["spearman"].items():
-        print(f"Spearman {name}: rho={format_number(correlation['rho'])} p={format_number(correlation['p_value'])} n={correlation['n']}")
-    if not args.quiet:
-        print(f"\nwrote {args.out}/sweep.json, sweep.md, overlap_vs_error.png, config.yaml")
     return 0

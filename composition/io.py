@@ -1,4 +1,4 @@
-"""Files at the edge, shared by every package: atomic writes of files and folders, markdown tables.
+"""Files at the edge, shared by every package: atomic writes, markdown tables, YAML configs.
 
 Everything a run writes goes through here, so that a crash halfway never leaves a half-written
 file or folder under its final name.
@@ -13,6 +13,12 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def refuse_existing(out_dir: str | os.PathLike, overwrite: bool) -> Path:
@@ -88,3 +94,34 @@ def markdown_table(header: Sequence, rows: Sequence[Sequence], cell: Callable[[o
         return "| " + " | ".join(value.ljust(width) for value, width in zip(cells, widths)) + " |"
 
     return "\n".join([line(head), "|" + "|".join("-" * (width + 2) for width in widths) + "|", *map(line, body)])
+
+
+def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
+    """The mapping in the YAML file `path` (`yaml.safe_load`); errors name `what`, the file and what was found."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise ValueError(f"{what} file {str(path)!r} is not valid YAML: {' '.join(str(error).split())}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the top level of the {what} must be a mapping of settings, got {type(data).__name__}")
+    return data
+
+
+def validation_message(error: ValidationError) -> str:
+    """A pydantic error as one line: `field.path: message, got value` per problem, joined by '; '."""
+    return "; ".join(
+        f"{'.'.join(map(str, problem['loc'])) or 'config'}: {problem['msg']}, got {problem['input']!r}"
+        for problem in error.errors()
+    )
+
+
+def load_yaml_config(path: str | os.PathLike, model: type[ModelT], what: str = "config") -> ModelT:
+    """Read `path` with `read_yaml_mapping` and validate it as `model`; the error names the file and each field."""
+    data = read_yaml_mapping(path, what)
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise ValueError(f"{path}: invalid {what}: {validation_message(error)}") from None

@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from composition.io import atomic_output_dir, refuse_existing
+from composition.io import atomic_output_dir, read_yaml_mapping, refuse_existing
 from merging.merge import MERGEKIT_MODE
 from merging.registry import mergekit_methods, validate_merge_params
 from merging.settings import MergeSettings, readable_error
@@ -128,10 +128,7 @@ def load_merge_config(config) -> tuple[dict, CheckpointMergeConfig | None]:
     if isinstance(config, CheckpointMergeConfig):
         return config.to_mergekit(), config
     if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        if not path.is_file():
-            raise ValueError(f"`config` {str(path)!r} is not a file")
-        config = yaml.safe_load(path.read_text())
+        config = read_yaml_mapping(config, "merge config")
     if not isinstance(config, Mapping):
         raise ValueError(
             "`config` must be a YAML file, a dict in mergekit's schema (with `merge_method`) or ours "

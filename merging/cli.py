@@ -6,8 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
 from composition.cli_common import add_common_flags
-from composition.io import atomic_output_dir, refuse_existing
+from composition.io import atomic_output_dir, markdown_table, refuse_existing
+from merging.checkpoints import load_merge_config, merge_checkpoints
+from merging.task_vector import TaskVector
 
 
 def add_commands(subparsers) -> None:
@@ -42,10 +47,6 @@ def merge_out_dir(args) -> str:
 
 
 def run_merge(args) -> int:
-    from safetensors import safe_open
-
-    from merging.checkpoints import load_merge_config, merge_checkpoints
-
     out = merge_out_dir(args)
     mergekit_config, _ = load_merge_config(args.config)
     out_dir = merge_checkpoints(args.config, out, overwrite=args.overwrite, options={"quiet": args.quiet})
@@ -63,8 +64,6 @@ def run_merge(args) -> int:
 
 
 def run_task_vector(args) -> int:
-    from merging.task_vector import TaskVector
-
     if args.out is not None:
         refuse_existing(args.out, args.overwrite)  # before the work, not after
     labels = _labels(args.finetuned)
@@ -73,8 +72,6 @@ def run_task_vector(args) -> int:
     for label, path in zip(labels, args.finetuned):
         if (Path(path) / "adapter_config.json").exists():
             if base_model is None:
-                from transformers import AutoModelForCausalLM
-
                 base_model = AutoModelForCausalLM.from_pretrained(args.base)
             task_vectors[label] = TaskVector.from_lora(base_model, path)
         else:
@@ -85,24 +82,14 @@ def run_task_vector(args) -> int:
     cosines = {
         first: {second: _cosine(task_vectors[first], task_vectors[second]) for second in labels} for first in labels
     }
-    width = max(24, *(len(label) + 2 for label in labels))
-    print(f"{'task vector':<{width}} {'norm':>12} {'tensors':>8} {'parameters':>12}")
-    for label, task_vector in task_vectors.items():
-        count = sum(tensor.numel() for tensor in task_vector.tensors.values())
-        print(f"{label:<{width}} {norms[label]:>12.5g} {len(task_vector.tensors):>8} {count:>12}")
-
+    rows = [[label, norms[label], len(tv.tensors), sum(t.numel() for t in tv.tensors.values())] for label, tv in task_vectors.items()]
+    print(markdown_table(["task vector", "norm", "tensors", "parameters"], rows, cell=_format, pad=True))
     groups = list(dict.fromkeys(group for norms_of in layer_norms.values() for group in norms_of))
-    group_width = max(24, *(len(group) + 2 for group in groups))
-    print(f"\nper-layer norms\n{'layer':<{group_width}}" + "".join(f" {label:>12}" for label in labels))
-    for group in groups:
-        row = "".join(f" {layer_norms[label].get(group, 0.0):>12.5g}" for label in labels)
-        print(f"{group:<{group_width}}{row}")
-
+    rows = [[group, *[layer_norms[label].get(group, 0.0) for label in labels]] for group in groups]
+    print("\nper-layer norms\n" + markdown_table(["layer", *labels], rows, cell=_format, pad=True))
     if len(labels) > 1:
-        print(f"\ncosine\n{'':<{width}}" + "".join(f" {label:>12}" for label in labels))
-        for first in labels:
-            row = "".join(f" {_format(cosines[first][second]):>12}" for second in labels)
-            print(f"{first:<{width}}{row}")
+        rows = [[first, *[cosines[first][second] for second in labels]] for first in labels]
+        print("\ncosine\n" + markdown_table(["", *labels], rows, cell=_format, pad=True))
 
     if args.out is not None:
         record = {
@@ -133,5 +120,8 @@ def _cosine(first, second) -> float | None:
         return None
 
 
-def _format(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.4f}"
+def _format(value) -> str:
+    """A table cell: n/a for None (an undefined cosine), 5 significant digits for floats."""
+    if value is None:
+        return "n/a"
+    return f"{value:.5g}" if isinstance(value, float) else str(value)

@@ -6,7 +6,6 @@
     tasks.tokenizer        the character-level transformers tokenizer
     tasks.formats          aligned / seq2seq model inputs, position coupling, random positions
     tasks.models           small Llama / GPT-2 models and their LoRA config
-    tasks.train            the trainer's task-side wrapper
     tasks.components       base and experts, trained or loaded from the run folder's cache
     tasks.evaluate         systems, exact match with Wilson intervals, greedy decoding
     tasks.merge_selection  the merge-grid search on validation data

@@ -22,11 +22,11 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from composition.io import atomic_output_dir
+from merging import train_model
 from tasks.config import CompareConfig, TrainingSettings, fingerprint
 from tasks.formats import SequenceFormat
 from tasks.models import build_model, lora_config
 from tasks.tokenizer import build_tokenizer
-from tasks.train import train_model
 
 # Bump when the meaning of a training setting changes, so that old checkpoints are not reused.
 CHECKPOINT_VERSION = 1
@@ -125,7 +125,8 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
 
     def train_base(folder: Path) -> dict:
         model = new_model("base")
-        log = train_model(model, strings(None, config.training.base, "base"), config.training.base, "base", progress)
+        log = train_model(model, strings(None, config.training.base, "base"), config.training.base,
+                          config.training.base.total_steps, description="base", progress=progress)
         model.save_pretrained(folder)
         return log.to_dict()
 
@@ -146,7 +147,8 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
 
         def train_expert(folder: Path, name=name) -> dict:
             model = AutoModelForCausalLM.from_pretrained(base_dir) if plan.init == "base" else new_model("expert", name)
-            log = train_model(model, strings(name, plan.full, "expert", name), plan.full, f"expert {name}", progress)
+            log = train_model(model, strings(name, plan.full, "expert", name), plan.full, plan.full.total_steps,
+                              description=f"expert {name}", progress=progress)
             model.save_pretrained(folder)
             return log.to_dict()
 
@@ -160,7 +162,8 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
                 base = AutoModelForCausalLM.from_pretrained(base_dir)
                 peft_model = get_peft_model(base, lora_config(lora, config.model.architecture))
                 settings = lora.training
-                log = train_model(peft_model, strings(name, settings, "lora", name), settings, f"lora {name}", progress)
+                log = train_model(peft_model, strings(name, settings, "lora", name), settings, settings.total_steps,
+                                  description=f"lora {name}", progress=progress)
                 peft_model.save_pretrained(str(folder))
                 return log.to_dict()
 

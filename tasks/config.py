@@ -15,7 +15,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from merging import METHODS, validate_merge_params
+from composition.io import load_yaml_config, validation_message
+from merging import METHODS, OptimizerSettings, validate_merge_params
 from tasks.registry import validate_task
 from tasks.remedies import RemedySettings
 
@@ -52,18 +53,17 @@ class ModelSettings(_Strict):
         return self
 
 
-class TrainingSettings(_Strict):
-    """One training run: either `steps` on fresh random strings, or `epochs` over `num_examples` fixed ones."""
+class TrainingSettings(OptimizerSettings):
+    """One training run: either `steps` on fresh random strings, or `epochs` over `num_examples` fixed ones.
+
+    The optimizer's fields (`lr`, `weight_decay`, `schedule`, `warmup_fraction`, `grad_clip`) are
+    `merging.OptimizerSettings`'s, for the one trainer (`merging.train_model`).
+    """
 
     steps: int | None = Field(None, ge=1)
     epochs: int | None = Field(None, ge=1)
     num_examples: int | None = Field(None, ge=1)
     batch_size: int = Field(64, ge=1)
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    schedule: Literal["cosine", "constant"] = "cosine"
-    warmup_fraction: float = Field(0.1, ge=0, lt=1)
-    grad_clip: float | None = Field(1.0, gt=0)
 
     @model_validator(mode="after")
     def _one_budget(self):
@@ -263,10 +263,7 @@ class CompareConfig(_Strict):
             try:
                 resolved[name] = CompareConfig.model_validate(data)
             except ValidationError as error:
-                problems = "; ".join(
-                    f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}, got {e['input']!r}" for e in error.errors()
-                )
-                raise ValueError(f"`variants.{name}`: {problems}") from None
+                raise ValueError(f"`variants.{name}`: {validation_message(error)}") from None
         return resolved
 
     @property
@@ -294,16 +291,7 @@ def deep_merge(base: dict, overrides: dict) -> dict:
 
 def load_config(path: str | Path) -> CompareConfig:
     """Read a YAML file with `yaml.safe_load` and validate it; errors name the file and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: the top level must be a mapping of settings, got {type(data).__name__}")
-    try:
-        return CompareConfig.model_validate(data)
-    except ValidationError as error:
-        raise ValueError(f"{path}: invalid config:\n{error}") from error
+    return load_yaml_config(path, CompareConfig)
 
 
 def fingerprint(*parts) -> str:

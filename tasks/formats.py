@@ -33,23 +33,11 @@ from typing import Literal
 
 import torch
 
-IGNORE_INDEX = -100  # label of positions that carry no target (cross_entropy's ignore_index)
+from merging.training import IGNORE_INDEX, Batch  # noqa: F401 (part of this module's surface: the batches it makes)
+
 
 Formulation = Literal["aligned", "seq2seq"]
 PositionScheme = Literal["coupled", "contiguous"]
-
-
-@dataclass
-class Batch:
-    """Right-padded model inputs, `(batch, seq)` each; `labels[:, t]` is the target of the logit at t."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-
-    def to(self, device) -> "Batch":
-        return Batch(*(tensor.to(device) for tensor in (self.input_ids, self.attention_mask, self.position_ids, self.labels)))
 
 
 @dataclass

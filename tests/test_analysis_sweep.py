@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from analysis.cli import load_sweep_config
+from composition.io import load_yaml_config
 from tasks.letters.sweep import SweepConfig, allowed_outputs, joint_accuracy
 from mergecompose_cli import main
 
@@ -58,7 +58,7 @@ def test_tiny_sweep_end_to_end(tmp_path, capsys):
     }
     path = tmp_path / "sweep.yaml"
     path.write_text(yaml.safe_dump(sweep))
-    assert load_sweep_config(path).pairs == [("ab", "cd"), ("ab", "ac"), ("cd", "ac")]
+    assert load_yaml_config(path, SweepConfig, "sweep config").pairs == [("ab", "cd"), ("ab", "ac"), ("cd", "ac")]
     out = tmp_path / "run"
     assert main(["overlap-sweep", str(path), "--out", str(out), "--quiet"]) == 0
     assert "Spearman mass_overlap vs compose_error" in capsys.readouterr().out

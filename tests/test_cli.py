@@ -86,11 +86,11 @@ def test_missing_config_files(tmp_path, capsys):
     missing = str(tmp_path / "missing.yaml")
     out = str(tmp_path / "out")
     cases = {
-        "merge": (["merge", missing, "--out", out], "is not a file"),
+        "merge": (["merge", missing, "--out", out], "does not exist"),
         "overlap-sweep": (["overlap-sweep", missing, "--out", out], "does not exist"),
         "compare": (["compare", missing, "--out", out], "does not exist"),
         "skills-sweep": (["skills-sweep", missing, "--out", out], "does not exist"),
-        "overlap": (["overlap", "--config", missing], "`--config` must be an existing YAML file"),
+        "overlap": (["overlap", "--config", missing], "`--config` overlap config file"),
     }
     for command, (arguments, message) in cases.items():
         assert main(arguments) == 2, command

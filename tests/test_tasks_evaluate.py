@@ -26,7 +26,7 @@ from tasks.formats import IGNORE_INDEX, SequenceFormat
 from tasks.models import build_model
 from tasks.tokenizer import build_tokenizer
 from tasks.letters.settings import letter_training_strings
-from tasks.train import train_model
+from merging import train_model
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
 X = IGNORE_INDEX
@@ -92,7 +92,7 @@ def setup():
     fmt = SequenceFormat("seq2seq", "coupled", True, 48, tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.sep_token_id)
     model = build_model(ModelSettings(hidden_size=32, max_position_embeddings=48), len(tokenizer), 0, 1, seed=0)
     settings = TrainingSettings(steps=150, batch_size=32, lr=5e-3)
-    train_model(model, letter_training_strings(ALPHABET, (1, 5), {}, tokenizer, fmt, settings, seed=0), settings, progress=False)
+    train_model(model, letter_training_strings(ALPHABET, (1, 5), {}, tokenizer, fmt, settings, seed=0), settings, settings.total_steps, progress=False)
     return tokenizer, fmt, model
 
 

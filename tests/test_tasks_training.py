@@ -14,7 +14,8 @@ from tasks.strings import is_held_out
 from tasks.models import build_model, lora_config
 from tasks.tokenizer import build_tokenizer, decode_ids
 from tasks.letters.settings import letter_training_strings
-from tasks.train import lr_factor, train_model
+from merging import train_model
+from merging.training import lr_factor
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
 TINY = ModelSettings(hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=64)
@@ -83,7 +84,7 @@ def test_training_lowers_the_loss(tokenizer, fmt):
     torch.manual_seed(0)
     model = build_model(TINY, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, seed=0)
     settings = TrainingSettings(steps=60, batch_size=32, lr=3e-3)
-    log = train_model(model, letter_training_strings(ALPHABET, (1, 4), {}, tokenizer, fmt, settings, seed=1), settings, progress=False, log_every=10)
+    log = train_model(model, letter_training_strings(ALPHABET, (1, 4), {}, tokenizer, fmt, settings, seed=1), settings, settings.total_steps, progress=False, log_every=10)
     assert log.steps == 60 and not model.training
     first, last = log.losses[0][1], log.losses[-1][1]
     assert first > math.log(len(tokenizer)) - 1.0  # starts near uniform
@@ -96,7 +97,7 @@ def test_lora_training_changes_only_the_adapter(tokenizer, fmt):
     lora = LoraSettings(rank=4, alpha=8, training=TrainingSettings(steps=5, batch_size=8, lr=1e-2))
     peft_model = get_peft_model(base, lora_config(lora, "llama"))
     adapters_before = {n: p.clone() for n, p in peft_model.named_parameters() if "lora_B" in n}
-    train_model(peft_model, letter_training_strings(ALPHABET, (1, 4), {"A": "B"}, tokenizer, fmt, lora.training, seed=0), lora.training, progress=False)
+    train_model(peft_model, letter_training_strings(ALPHABET, (1, 4), {"A": "B"}, tokenizer, fmt, lora.training, seed=0), lora.training, lora.training.total_steps, progress=False)
     after = peft_model.get_base_model().state_dict()
     for name, tensor in before.items():
         key = name.replace(".weight", ".base_layer.weight") if name.replace(".weight", ".base_layer.weight") in after else name
@@ -109,4 +110,4 @@ def test_training_refuses_a_frozen_model(tokenizer, fmt):
     model.requires_grad_(False)
     settings = TrainingSettings(steps=1, batch_size=2)
     with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
-        train_model(model, letter_training_strings(ALPHABET, (1, 2), {}, tokenizer, fmt, settings, seed=0), settings, progress=False)
+        train_model(model, letter_training_strings(ALPHABET, (1, 2), {}, tokenizer, fmt, settings, seed=0), settings, settings.total_steps, progress=False)

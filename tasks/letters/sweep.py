@@ -34,6 +34,7 @@ from composition.io import atomic_write_text, markdown_table
 from tasks.letters.overlap import measure_letter_pair, pair_replacements, pair_strings
 from analysis.streaming import OverlapSettings
 from composition import ComposedLM
+from composition.io import read_yaml_mapping
 from merging import METHODS
 from tasks.components import prepare_components
 from tasks.config import CompareConfig, MergeGrid, check_merge_grids, deep_merge, fingerprint
@@ -95,10 +96,7 @@ class SweepConfig(BaseModel):
 
     def compare_config(self):
         """The `tasks` config that trains the base and every skill (validated by `tasks.config`)."""
-        path = Path(self.compare)
-        if not path.is_file():
-            raise ValueError(f"`compare` must be an existing compare YAML file, got {self.compare!r}")
-        data = deep_merge(yaml.safe_load(path.read_text()), self.compare_overrides)
+        data = deep_merge(read_yaml_mapping(self.compare, "`compare` config"), self.compare_overrides)
         data["task"] = {**data.get("task", {}), "skills": self.skills, "joint": list(self._compatible_pair())}
         data["training"]["experts"] = {k: v for k, v in data["training"]["experts"].items() if k != "lora"}
         data["merges"] = {}
