@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from analysis.streaming import pair_key
+from analysis.reducers import pair_key
 from merging.sparsify import magnitude_trim_global
 
 

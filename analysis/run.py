@@ -6,7 +6,6 @@ and/or flags; the resolved config is written next to the results as config.yaml.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 

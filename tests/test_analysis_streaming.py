@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from analysis import diagnostics as dx
-from analysis.streaming import LogHistogram, OverlapAccumulator, OverlapSettings, PositionReservoir
+from analysis.reducers import LogHistogram, OverlapSettings, PositionReservoir
+from analysis.streaming import OverlapAccumulator
 from composition import compose_logprobs
 
 

@@ -26,12 +26,12 @@ training rates) and `joint`.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from analysis.report import plot_activity_heatmap
 from merging import TaskVector
