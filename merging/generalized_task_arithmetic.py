@@ -36,7 +36,7 @@ import torch
 from mergekit.merge_methods.generalized_task_arithmetic import get_mask
 from tqdm.auto import tqdm
 
-from merging.settings import TaskArithmeticSettings
+from merging.settings import NamedBySettings, TaskArithmeticSettings
 from merging.sparsify import magnitude_trim, magnitude_trim_global, outlier_trim, random_drop
 
 # mergekit's names for the two sign elections.
@@ -44,7 +44,7 @@ _MERGEKIT_ELECTION = {"mass": "sum", "count": "count"}
 
 
 @dataclass(frozen=True)
-class GeneralizedTaskArithmetic:
+class GeneralizedTaskArithmetic(NamedBySettings):
     """One configured variant: its settings model, which sparsification, whether to elect signs.
 
     settings: the pydantic model of its parameters and defaults (`merging.settings`).
@@ -58,10 +58,6 @@ class GeneralizedTaskArithmetic:
     sign_consensus: bool
     reference: str
     mergekit: bool
-
-    @property
-    def name(self) -> str:
-        return self.settings.model_fields["method"].default
 
     def __call__(
         self,

@@ -16,18 +16,14 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from merging.settings import LinearSettings
+from merging.settings import NamedBySettings, LinearSettings
 
 
 @dataclass(frozen=True)
-class Linear:
+class Linear(NamedBySettings):
     settings: type[LinearSettings] = LinearSettings
     reference: str = "https://arxiv.org/abs/2203.05482"
     mergekit: bool = True  # mergekit runs it under the same name
-
-    @property
-    def name(self) -> str:
-        return self.settings.model_fields["method"].default
 
     def __call__(
         self,

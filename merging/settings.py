@@ -241,3 +241,13 @@ def readable_error(error: ValidationError, model: type[BaseModel], subject: str)
         else:
             lines.append(f"`{name}`: {item['msg']}, got {item['input']!r}")
     return ValueError("\n".join(lines))
+
+
+class NamedBySettings:
+    """Mixin of a merge method: its name is its settings model's `method`, so it is written once."""
+
+    settings: type[MergeSettings]
+
+    @property
+    def name(self) -> str:
+        return self.settings.model_fields["method"].default

@@ -57,12 +57,7 @@ class TaskVector:
         check_same_keys(set(base), set(finetuned))
         tensors = {}
         for name, base_tensor in base.items():
-            finetuned_tensor = finetuned[name]
-            check_same_shape(name, base_tensor.shape, finetuned_tensor.shape)
-            if not (is_mergeable(base_tensor) and is_mergeable(finetuned_tensor)):
-                continue
-            dtype = compute_dtype(base_tensor.dtype, finetuned_tensor.dtype)
-            tensors[name] = finetuned_tensor.to(dtype) - base_tensor.to(dtype)
+            _add_difference(tensors, name, base_tensor, finetuned[name])
         return cls(tensors)
 
     @classmethod
@@ -80,12 +75,8 @@ class TaskVector:
         check_same_keys(set(base.keys()), set(finetuned.keys()))
         tensors = {}
         for name in base.keys():
-            check_same_shape(name, base.shape(name), finetuned.shape(name))
-            base_tensor, finetuned_tensor = base.get(name), finetuned.get(name)
-            if not (is_mergeable(base_tensor) and is_mergeable(finetuned_tensor)):
-                continue
-            dtype = compute_dtype(base_tensor.dtype, finetuned_tensor.dtype)
-            tensors[name] = finetuned_tensor.to(dtype) - base_tensor.to(dtype)
+            check_same_shape(name, base.shape(name), finetuned.shape(name))  # before reading either tensor
+            _add_difference(tensors, name, base.get(name), finetuned.get(name))
         return cls(tensors)
 
     @classmethod
@@ -202,3 +193,11 @@ class TaskVector:
     def __repr__(self) -> str:
         count = sum(tensor.numel() for tensor in self.tensors.values())
         return f"TaskVector({len(self.tensors)} tensors, {count} parameters, norm={self.norm():.4g})"
+
+
+def _add_difference(tensors: dict[str, torch.Tensor], name: str, base: torch.Tensor, finetuned: torch.Tensor) -> None:
+    """`tensors[name] = finetuned − base` in their common float dtype; integer and bool buffers are skipped."""
+    check_same_shape(name, base.shape, finetuned.shape)
+    if is_mergeable(base) and is_mergeable(finetuned):
+        dtype = compute_dtype(base.dtype, finetuned.dtype)
+        tensors[name] = finetuned.to(dtype) - base.to(dtype)
