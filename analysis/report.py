@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from composition.io import markdown_table
+from composition.io import atomic_save_figure, markdown_table
 
 
 def format_number(value, digits: int = 4) -> str:
@@ -198,8 +198,10 @@ def plot_activity_heatmap(
         axes[0, 0].text(0.5, 0.5, "no sequences", ha="center")
     if image is not None:
         figure.colorbar(image, ax=axes[:, 0].tolist(), label="log10 KL(p_i ‖ p_b)")
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    try:
+        atomic_save_figure(figure, path)
+    finally:
+        plt.close(figure)
 
 
 def plot_gap_histogram(histogram: dict, path: Path, title: str = "merge-vs-compose gap KL(q ‖ m) per position") -> None:
@@ -220,8 +222,10 @@ def plot_gap_histogram(histogram: dict, path: Path, title: str = "merge-vs-compo
     axis.set_xlabel("KL (nats); first bin: [0, %.0e), last: [%.0e, ∞]" % (inner[0], inner[-1]))
     axis.set_ylabel("positions")
     axis.set_title(title, fontsize=9)
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(figure)
+    try:
+        atomic_save_figure(figure, path, bbox_inches="tight")
+    finally:
+        plt.close(figure)
 
 
 def json_safe(value):

@@ -30,6 +30,7 @@ from benchmarks.memory import PeakSampler, peak_rss_mib
 from benchmarks.report import write_results
 from analysis import measure_overlap
 from composition import ComposedLM, compose_with_remedies
+from composition.io import markdown_table
 from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
 
 
@@ -139,10 +140,12 @@ def main(argv=None) -> int:
     results["memory_growth"] = last["peak_rss_mb"] / first["peak_rss_mb"] - 1
     results["anonymous_memory_growth"] = last["peak_anonymous_rss_mb"] / first["peak_anonymous_rss_mb"] - 1
     print(f"streaming analysis, 2 LoRA experts, vocab {args.vocab}, median of {args.repeats}")
-    print(f"{'tokens':>8} {'bare s':>8} {'analysis s':>11} {'overhead':>9} {'peak RSS MiB':>13} {'peak anon MiB':>14}")
-    for tokens, row in rows.items():
-        print(f"{tokens:>8} {row['bare_seconds']:>8.2f} {row['analysis_seconds']:>11.2f} {row['overhead']:>8.1%} "
-              f"{row['peak_rss_mb']:>13.0f} {row['peak_anonymous_rss_mb']:>14.0f}")
+    table = [
+        [tokens, f"{row['bare_seconds']:.2f}", f"{row['analysis_seconds']:.2f}", f"{row['overhead']:.1%}",
+         f"{row['peak_rss_mb']:.0f}", f"{row['peak_anonymous_rss_mb']:.0f}"]
+        for tokens, row in rows.items()
+    ]
+    print(markdown_table(["tokens", "bare s", "analysis s", "overhead", "peak RSS MiB", "peak anon MiB"], table, pad=True))
     print(f"memory growth {args.tokens[0]} -> {args.tokens[-1]} tokens: {results['memory_growth']:+.1%} (RSS), "
           f"{results['anonymous_memory_growth']:+.1%} (anonymous); targets: overhead ≤ 15 %, growth ≤ 10 %")
     write_results(results, args.out)

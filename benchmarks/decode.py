@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 from benchmarks.memory import peak_rss_mib
 from benchmarks.report import write_results
 from composition import ComposedLM, compose_logprobs
+from composition.io import markdown_table
 from composition.tiny import ALL_LINEAR, tiny_llama_config
 
 SYSTEMS = ["base", "full", "lora", "naive"]
@@ -253,18 +254,19 @@ def main(argv=None) -> int:
 
 def print_table(results) -> None:
     names = {"base": "(a) base generate", "full": "(b) composed, full", "lora": "(c) composed, LoRA", "naive": "(d) naive re-run"}
-    print(f"{'system':<22} {'batch':>5} {'tokens/s':>10} {'ratio to (a)':>13}")
-    for batch, rows in results["batches"].items():
-        for name, row in rows.items():
-            ratio = f"{row['ratio_to_base']:.3f}" if "ratio_to_base" in row else "-"
-            print(f"{names[name]:<22} {batch:>5} {row['tokens_per_second']:>10.1f} {ratio:>13}")
+    rows = [
+        [names[name], batch, f"{row['tokens_per_second']:.1f}", f"{row['ratio_to_base']:.3f}" if "ratio_to_base" in row else "-"]
+        for batch, batch_rows in results["batches"].items()
+        for name, row in batch_rows.items()
+    ]
+    print(markdown_table(["system", "batch", "tokens/s", "ratio to (a)"], rows, pad=True))
     if "peak_rss_mb" in results:
         memory = results["peak_rss_mb"]
-        print(f"{'system':<22} {'peak RSS MiB':>12} {'ratio to (a)':>13}")
-        for name, value in memory.items():
-            ratio = f"{value / memory['base']:.3f}" if "base" in memory else "-"
-            print(f"{names[name]:<22} {value:>12.1f} {ratio:>13}")
-
+        rows = [
+            [names[name], f"{value:.1f}", f"{value / memory['base']:.3f}" if "base" in memory else "-"]
+            for name, value in memory.items()
+        ]
+        print(markdown_table(["system", "peak RSS MiB", "ratio to (a)"], rows, pad=True))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.memory import PeakSampler, peak_rss_mib
 from benchmarks.report import write_results
+from composition.io import markdown_table
 from composition.tiny import tiny_llama_config
 from merging import MERGEKIT_MODE, merge, merge_checkpoints
 
@@ -140,13 +141,14 @@ def main(argv=None) -> int:
             (disk[name] - memory[name]).abs().max().item() for name in disk.keys() & memory.keys()
         )
     print(f"TIES merge of 3 checkpoints, {parameters / 1e6:.0f} M parameters each ({results['model_mb']:.0f} MiB on disk)")
-    print(f"{'merge':<8} {'wall s':>8} {'peak RSS MiB':>13} {'RSS / model size':>17} {'RSS after imports':>18} "
-          f"{'peak anonymous RSS':>19} {'anon / model size':>18}")
-    for mode in ("disk", "memory"):
-        row = results[mode]
-        print(f"{mode:<8} {row['seconds']:>8.1f} {row['peak_rss_mb']:>13.0f} {row['rss_over_model_size']:>17.2f} "
-              f"{row['rss_after_imports_mb']:>18.0f} {row['peak_anonymous_rss_mb']:>19.0f} "
-              f"{row['peak_anonymous_rss_mb'] / results['model_mb']:>18.2f}")
+    header = ["merge", "wall s", "peak RSS MiB", "RSS / model size", "RSS after imports", "peak anonymous RSS", "anon / model size"]
+    table = [
+        [mode, f"{row['seconds']:.1f}", f"{row['peak_rss_mb']:.0f}", f"{row['rss_over_model_size']:.2f}",
+         f"{row['rss_after_imports_mb']:.0f}", f"{row['peak_anonymous_rss_mb']:.0f}",
+         f"{row['peak_anonymous_rss_mb'] / results['model_mb']:.2f}"]
+        for mode, row in ((mode, results[mode]) for mode in ("disk", "memory"))
+    ]
+    print(markdown_table(header, table, pad=True))
     print(f"max |disk − memory| over all tensors: {results['max_abs_difference_disk_vs_memory']:.2e}")
     print(f"target: disk peak RSS ≤ 0.5 × model size: {'met' if results['disk']['rss_over_model_size'] <= 0.5 else 'missed'}")
     write_results(results, args.out)
