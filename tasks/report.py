@@ -66,6 +66,7 @@ def _contrast_lines(results: dict) -> list[str]:
     return [
         f"Merging against composing on joint (length {results['data']['main_length']}), exact match % [95% CI]; "
         f"main: the config as given; {settings}. * : the interval is disjoint from compose's.",
+        "",
         contrast_table(results),
         "",
     ]
