@@ -36,6 +36,7 @@ from tasks.components import Components, prepare_components
 from tasks.merge_selection import best_per_method, merged_model, search_merges
 from tasks.config import CompareConfig, fingerprint
 from tasks.evaluate import (
+    JOINT,
     ComposedSystem,
     EvalData,
     ModelSystem,
@@ -44,7 +45,6 @@ from tasks.evaluate import (
     score,
     summary,
 )
-from tasks.letters.task import JOINT
 from tasks.report import format_tables, plot_lengths, write_markdown
 from tasks.remedies import remedy_system_name
 

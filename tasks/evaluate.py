@@ -26,6 +26,9 @@ from composition import ComposedLM
 from tasks.formats import IGNORE_INDEX, Batch, Prompt, SequenceFormat
 from tasks.tokenizer import decode_ids, encode_strings
 
+# The split every task type must have: inputs that need every composed skill, scored on the joint target.
+JOINT = "joint"
+
 
 @dataclass(frozen=True)
 class EvalSet:

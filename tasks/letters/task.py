@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tasks.evaluate import JOINT
 from tasks.strings import distinct_strings
 
-JOINT, NEITHER = "joint", "neither"
+NEITHER = "neither"
 
 
 @dataclass(frozen=True)

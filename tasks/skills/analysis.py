@@ -17,12 +17,11 @@ import torch
 
 from analysis import coactivation_rate
 from analysis.failures import background_noise, failure_summary, mean_by_region, spurious_activity_rate
-from tasks.evaluate import greedy_tokens
+from tasks.evaluate import JOINT, greedy_tokens
 from tasks.formats import IGNORE_INDEX
 from tasks.skills.spec import END, NO_OWNER, joint_target, region_labels
 from tasks.tokenizer import encode_strings
 
-JOINT = "joint"
 
 
 def analysed_splits(data) -> list:

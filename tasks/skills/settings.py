@@ -35,7 +35,7 @@ from pydantic import Field
 
 from analysis.report import plot_activity_heatmap
 from merging import TaskVector
-from tasks.evaluate import EvalData, EvalSet
+from tasks.evaluate import JOINT, EvalData, EvalSet
 from tasks.registry import register_task_type
 from tasks.skills.analysis import failure_section
 from tasks.skills.spec import (
@@ -51,7 +51,7 @@ from tasks.skills.spec import (
 )
 from tasks.strings import TrainingStrings, distinct_strings, is_held_out
 
-JOINT, NEITHER = "joint", "neither"
+NEITHER = "neither"
 _NOT_IN_RECIPE = ("num_experts", "expert_noise", "expert_noise_seed", "activity_epsilon", "failure_margin")
 
 

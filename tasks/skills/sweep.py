@@ -31,9 +31,9 @@ from composition.io import atomic_save_figure, atomic_write_text, markdown_table
 
 from tasks.compare import run_compare
 from tasks.config import CompareConfig, fingerprint, load_config
+from tasks.evaluate import JOINT
 from tasks.skills.settings import SkillsTaskSettings
 
-JOINT = "joint"
 
 
 def load_sweep_configs(paths: Sequence[str | os.PathLike], expert_noise: float | None = None) -> list[CompareConfig]:
