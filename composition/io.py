@@ -113,11 +113,18 @@ def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
 
 
 def validation_message(error: ValidationError) -> str:
-    """A pydantic error as one line: `field.path: message, got value` per problem, joined by '; '."""
-    return "; ".join(
-        f"{'.'.join(map(str, problem['loc'])) or 'config'}: {problem['msg']}, got {problem['input']!r}"
-        for problem in error.errors()
-    )
+    """A pydantic error as one line: `field.path: message, got value` per problem, joined by '; '.
+
+    Our own validators' messages already name the value received, so theirs are kept as they are.
+    """
+    problems = []
+    for problem in error.errors():
+        where = ".".join(map(str, problem["loc"])) or "config"
+        if problem["type"] == "value_error":
+            problems.append(f"{where}: {problem['msg'].removeprefix('Value error, ')}")
+        else:
+            problems.append(f"{where}: {problem['msg']}, got {problem['input']!r}")
+    return "; ".join(problems)
 
 
 def load_yaml_config(path: str | os.PathLike, model: type[ModelT], what: str = "config") -> ModelT:
