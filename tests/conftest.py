@@ -44,3 +44,24 @@ def lora_dirs(base_model, tmp_path_factory):
         "ab": random_lora_adapter(base_model, root / "ab", seed=11),
         "cd": random_lora_adapter(base_model, root / "cd", seed=12, target_modules=["q_proj", "v_proj", "down_proj"]),
     }
+
+
+@pytest.fixture(scope="session")
+def checkpoints(base_model, expert_models, tmp_path_factory):
+    """`base_model` and `expert_models` saved as safetensors checkpoint folders: base/, expert_0/, expert_1/."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    base_model.save_pretrained(root / "base")
+    for index, model in enumerate(expert_models):
+        model.save_pretrained(root / f"expert_{index}")
+    return root
+
+
+def task_arithmetic_mergekit_config(checkpoints) -> dict:
+    """mergekit's YAML schema: task arithmetic of the two saved experts, weight 0.5 each, λ = 0.9."""
+    return {
+        "merge_method": "task_arithmetic",
+        "base_model": str(checkpoints / "base"),
+        "models": [{"model": str(checkpoints / f"expert_{i}"), "parameters": {"weight": 0.5}} for i in range(2)],
+        "parameters": {"lambda": 0.9},
+        "dtype": "float32",
+    }

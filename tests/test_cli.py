@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from transformers.utils import logging as transformers_logging
 
 from composition.cli_common import command_settings
+from conftest import task_arithmetic_mergekit_config
 from mergecompose_cli import build_parser, main
 
 ENTRY_POINT = Path(sys.executable).parent / "mergecompose"  # the installed console script, .venv/bin/mergecompose
@@ -22,20 +23,11 @@ WRITING_COMMANDS = ["merge", "task-vector", "overlap", "overlap-sweep", "compare
 
 
 @pytest.fixture(scope="module")
-def checkpoints(base_model, expert_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_common_checkpoints")
-    base_model.save_pretrained(root / "base")
-    for index, model in enumerate(expert_models):
-        model.save_pretrained(root / f"expert_{index}")
-    config = {
-        "merge_method": "task_arithmetic",
-        "base_model": str(root / "base"),
-        "models": [{"model": str(root / f"expert_{i}"), "parameters": {"weight": 0.5}} for i in range(2)],
-        "parameters": {"lambda": 0.9},
-        "dtype": "float32",
-    }
-    (root / "merge.yaml").write_text(yaml.safe_dump(config))
-    return root
+def merge_config(checkpoints, tmp_path_factory):
+    """A mergekit YAML over the shared saved checkpoints, in a folder of its own."""
+    path = tmp_path_factory.mktemp("cli_merge_config") / "merge.yaml"
+    path.write_text(yaml.safe_dump(task_arithmetic_mergekit_config(checkpoints)))
+    return path
 
 
 def one_error_line(capsys, command: str) -> str:
@@ -127,8 +119,8 @@ def test_multi_line_messages_are_folded(tmp_path, capsys):
     assert "while parsing" in one_error_line(capsys, "compare")
 
 
-def test_merge_takes_out_as_a_flag_or_as_the_older_positional(checkpoints, tmp_path, capsys):
-    config = str(checkpoints / "merge.yaml")
+def test_merge_takes_out_as_a_flag_or_as_the_older_positional(merge_config, tmp_path, capsys):
+    config = str(merge_config)
     by_flag, by_position = tmp_path / "out_1", tmp_path / "out_2"  # names of one length: config.json holds them
     assert main(["merge", config, "--out", str(by_flag)]) == 0
     printed_by_flag = capsys.readouterr().out

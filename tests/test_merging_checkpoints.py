@@ -12,15 +12,6 @@ from merging import MERGEKIT_MODE, CheckpointMergeConfig, merge, merge_checkpoin
 WEIGHTS = [0.7, 0.4]
 
 
-@pytest.fixture(scope="module")
-def checkpoints(base_model, expert_models, tmp_path_factory):
-    root = tmp_path_factory.mktemp("checkpoints")
-    base_model.save_pretrained(root / "base")
-    for index, model in enumerate(expert_models):
-        model.save_pretrained(root / f"expert_{index}")
-    return root
-
-
 def _state_dicts(root):
     base = load_file(str(root / "base" / "model.safetensors"))
     experts = [load_file(str(root / f"expert_{index}" / "model.safetensors")) for index in range(2)]

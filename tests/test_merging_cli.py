@@ -6,27 +6,13 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
+from conftest import task_arithmetic_mergekit_config
 from mergecompose_cli import main
 from merging import MERGEKIT_MODE, TaskVector, merge
 
 
-@pytest.fixture(scope="module")
-def checkpoints(base_model, expert_models, lora_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_checkpoints")
-    base_model.save_pretrained(root / "base")
-    for index, model in enumerate(expert_models):
-        model.save_pretrained(root / f"expert_{index}")
-    return root
-
-
 def test_merge_command_takes_mergekit_yaml(checkpoints, tmp_path, capsys):
-    config = {
-        "merge_method": "task_arithmetic",
-        "base_model": str(checkpoints / "base"),
-        "models": [{"model": str(checkpoints / f"expert_{i}"), "parameters": {"weight": 0.5}} for i in range(2)],
-        "parameters": {"lambda": 0.9},
-        "dtype": "float32",
-    }
+    config = task_arithmetic_mergekit_config(checkpoints)
     path = tmp_path / "merge.yaml"
     path.write_text(yaml.safe_dump(config))
     assert main(["merge", str(path), "--out", str(tmp_path / "out")]) == 0
