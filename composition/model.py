@@ -26,6 +26,7 @@ from transformers import (
     DynamicCache,
     LogitsProcessorList,
     PreTrainedModel,
+    StopStringCriteria,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -418,14 +419,34 @@ class ComposedLM:
         seed: int | None = None,
         position_ids: torch.Tensor | None = None,
         generated_position_ids: torch.Tensor | None = None,
+        *,
+        stop_strings: str | Sequence[str] | None = None,
+        tokenizer=None,
     ) -> torch.Tensor:
         """Decode from the composed distribution with one KV cache per component (or one shared one).
 
         `input_ids` is `(B, T)`, left-padded when rows differ in length (`attention_mask` 0 on the
         left). Returns `(B, T + n)` with n ≤ max_new_tokens: the prompt followed by the generated
-        tokens; a row that emitted EOS is filled with `pad_token_id` afterwards. In sampling, the
-        token drawn from the composed distribution is appended to every component's row.
-        `eos_token_id` and `pad_token_id` default to the base model's generation config.
+        tokens. A row is finished at the step where it emits EOS or completes a stop string; its
+        last token stays, later positions are `pad_token_id`, and decoding ends when every row is
+        finished (n < max_new_tokens) or after `max_new_tokens`. In sampling, the token drawn from
+        the composed distribution is appended to every component's row.
+
+        `eos_token_id` (an id or a list of ids) defaults to the base model's generation config;
+        `eos_token_id=[]` turns EOS stopping off. `pad_token_id` defaults to the generation
+        config's, then to the first EOS id, then to 0.
+
+        `stop_strings` (one string or several, none empty; needs `tokenizer`, default this
+        ComposedLM's) are matched as transformers' `StopStringCriteria` matches them, which this
+        method runs, but on the row's generated tokens only: a row stops after step t when some
+        stop string occurs in the text of its generated tokens 1…t and ends inside token t. Each
+        token counts as its vocabulary string, so a stop string may span several tokens and may
+        end partway into the last one (for "stop", tokens "st" + "op" and "st" + "opera" both
+        stop); since the check runs at every step, this is the first step at which a stop string
+        occurs in the generated text. One difference from `model.generate(stop_strings=...)`:
+        transformers checks prompt and generated tokens together, so there a match may start in
+        the prompt ("c" ending the prompt + a generated "A" completes "cA"); here, as in
+        lm-evaluation-harness' `generate_until`, a match lies within the generated tokens.
 
         Positions default to each row's token count (left padding skipped), continuing by one per
         generated token. A task that couples output positions to input positions can give
@@ -435,6 +456,7 @@ class ComposedLM:
         self._check_open()
         if max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
+        stop_criteria = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer)
         input_ids, attention_mask = self._prepare(input_ids, attention_mask)
         _check_left_padded(attention_mask)
         eos_ids, pad_id = self._special_ids(eos_token_id, pad_token_id)
@@ -466,9 +488,10 @@ class ComposedLM:
             )
         generated_position_ids = generated_position_ids.to(self.device)  # (B, max_new_tokens)
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
+        can_finish = eos_ids is not None or stop_criteria is not None
         # Greedy steps are checked for NaN on the device and the flag is read once at the end, so the
-        # loop has no host sync but the EOS check. Sampling validates every step: NaN must not reach
-        # the sampler.
+        # loop has no host sync but the "all rows finished?" check. Sampling validates every step:
+        # NaN must not reach the sampler.
         invalid = torch.zeros((), dtype=torch.bool, device=self.device)
 
         cache = self.backend.new_cache()
@@ -489,8 +512,11 @@ class ComposedLM:
             length += 1
             if eos_ids is not None:
                 unfinished &= ~torch.isin(next_tokens, eos_ids)
-                if not unfinished.any():
-                    break
+            if stop_criteria is not None:
+                # (B,): a stop string ends in the token just appended; the prompt is not looked at.
+                unfinished &= ~stop_criteria(sequences[:, prompt_length:length], None)
+            if can_finish and not unfinished.any():
+                break
             if length == total:
                 break
             step = length - prompt_length - 1  # index of the token just generated
@@ -529,9 +555,10 @@ class ComposedLM:
         eos_ids = None
         if eos_token_id is not None:
             eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-            eos_ids = torch.tensor(eos_list, device=self.device)
-            if pad_token_id is None:
-                pad_token_id = eos_list[0]
+            if eos_list:  # an explicit [] means: no EOS stopping
+                eos_ids = torch.tensor(eos_list, device=self.device)
+                if pad_token_id is None:
+                    pad_token_id = eos_list[0]
         return eos_ids, (0 if pad_token_id is None else int(pad_token_id))
 
 
@@ -549,6 +576,27 @@ def _check_left_padded(attention_mask: torch.Tensor) -> None:
         )
     if (attention_mask[:, -1] == 0).any():
         raise ValueError("`attention_mask` has a row with no tokens; every prompt needs at least one")
+
+
+def _stop_criteria(stop_strings, tokenizer) -> StopStringCriteria | None:
+    """transformers' stop-string matcher for `stop_strings`, or None when there are none."""
+    if stop_strings is None:
+        return None
+    stop_strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings
+    if not isinstance(stop_strings, Sequence) or not all(isinstance(text, str) for text in stop_strings):
+        raise ValueError(f"`stop_strings` must be a string or a list of strings, got {stop_strings!r}")
+    if not stop_strings:
+        return None
+    if any(text == "" for text in stop_strings):
+        raise ValueError(
+            f"`stop_strings` must be non-empty strings (an empty one would match everywhere), got {stop_strings!r}"
+        )
+    if tokenizer is None:
+        raise ValueError(
+            "`tokenizer` is needed to match `stop_strings` against generated tokens, and this ComposedLM has "
+            "none; pass `tokenizer=` (the base model's tokenizer)"
+        )
+    return StopStringCriteria(tokenizer, list(stop_strings))
 
 
 def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:
