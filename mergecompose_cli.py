@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 
 import yaml
@@ -14,6 +15,8 @@ from composition.cli_common import command_settings
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
 _COMMAND_MODULES = ["composition.cli", "merging.cli", "analysis.cli", "tasks.cli"]
+# Commands of an optional extra: module -> (the package it needs, the command, the extra).
+_OPTIONAL_COMMAND_MODULES = {"composition.lm_eval_cli": ("lm_eval", "lm-eval", "lm-eval")}
 
 # Errors caused by the user's input, reported in one line. pydantic's ValidationError is a ValueError.
 # OSError covers FileExistsError, FileNotFoundError and NotADirectoryError, and the plain OSError of
@@ -33,7 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name in _COMMAND_MODULES:
         importlib.import_module(module_name).add_commands(subparsers)
+    for module_name, (package, command, extra) in _OPTIONAL_COMMAND_MODULES.items():
+        if importlib.util.find_spec(package) is not None:
+            importlib.import_module(module_name).add_commands(subparsers)
+        else:
+            _add_missing_extra(subparsers, command, package, extra)
     return parser
+
+
+def _add_missing_extra(subparsers, command: str, package: str, extra: str) -> None:
+    def refuse(args) -> int:
+        raise ValueError(f"`{command}` needs the {package} package: pip install \"mergecompose[{extra}]\"")
+
+    parser = subparsers.add_parser(command, prefix_chars="\x00", add_help=False, help=f"(needs the [{extra}] extra)")
+    parser.add_argument("arguments", nargs="*")
+    parser.set_defaults(func=refuse)
 
 
 def main(argv: list[str] | None = None) -> int:

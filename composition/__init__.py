@@ -1,13 +1,14 @@
 """Probability-space composition: log p̂ = log p_b + Σ_i w_i (log p_i − log p_b), renormalised."""
 
 from composition.model import ComposedLM
-from composition.remedies import ActivityGate, PlausibilityFilter, TerminationRule, compose_with_remedies
+from composition.remedies import ActivityGate, PlausibilityFilter, RemedySettings, TerminationRule, compose_with_remedies
 from composition.rule import compose_logprobs
 
 __all__ = [
     "ActivityGate",
     "ComposedLM",
     "PlausibilityFilter",
+    "RemedySettings",
     "TerminationRule",
     "compose_logprobs",
     "compose_with_remedies",

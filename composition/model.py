@@ -66,6 +66,10 @@ class _SeparateModels:
     def device(self) -> torch.device:
         return self.models[0].device
 
+    @property
+    def base_model(self) -> PreTrainedModel:
+        return self.models[0]
+
     def new_cache(self):
         return [DynamicCache(config=model.config) for model in self.models]
 
@@ -280,6 +284,7 @@ class ComposedLM:
         remedies: Sequence[object] = (),
         *,
         names: Sequence[str] | None = None,
+        lora_implementation: str = "stacked",
         **model_kwargs,
     ) -> "ComposedLM":
         """Load a base and experts from local folders or hub ids.
@@ -306,7 +311,10 @@ class ComposedLM:
         base_model = AutoModelForCausalLM.from_pretrained(base, **model_kwargs).eval()
         tokenizer = _try_load_tokenizer(base)
         if all(is_adapter):
-            return cls.from_adapters(base_model, dict(zip(names, experts)), weights, tokenizer, remedies=remedies)
+            return cls.from_adapters(
+                base_model, dict(zip(names, experts)), weights, tokenizer, lora_implementation=lora_implementation,
+                remedies=remedies,
+            )
         expert_models, tokenizers = [], [tokenizer]
         for expert, adapter in zip(experts, is_adapter):
             if adapter:
@@ -364,6 +372,17 @@ class ComposedLM:
     def device(self) -> torch.device:
         self._check_open()
         return self.backend.device
+
+    @property
+    def base_model(self) -> PreTrainedModel:
+        """The base model (with LoRA experts: the shared base, with their layers while this is open)."""
+        self._check_open()
+        return self.backend.base_model
+
+    @property
+    def vocab_size(self) -> int:
+        """The size of the output distribution, V."""
+        return self.base_model.get_output_embeddings().weight.shape[0]
 
     @torch.no_grad()
     def component_logprobs(

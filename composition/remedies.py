@@ -20,8 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from composition.rule import compose_logprobs
 
@@ -164,3 +166,58 @@ def compose_with_remedies(
         tradeable = torch.isfinite(eos_mass) & torch.isfinite(rest_mass)  # (..., 1)
         composed = torch.where(tradeable, adjusted, composed)
     return composed
+
+
+class RemedySettings(BaseModel):
+    """One combination of remedies (at least one).
+
+    * `gate`: `ActivityGate(threshold)`, in nats of `KL(p_i ‖ p_b)`;
+    * `plausibility_alpha` / `plausibility_top_p`: `PlausibilityFilter(alpha, top_p)`;
+    * `termination`: `TerminationRule(eos, source)`, "base" or "active" (with
+      `termination_threshold` as the activity threshold of "active").
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gate: float | None = Field(None, ge=0)
+    plausibility_alpha: float | None = Field(None, gt=0, le=1)
+    plausibility_top_p: float | None = Field(None, gt=0, le=1)
+    termination: Literal["base", "active"] | None = None
+    termination_threshold: float = Field(0.1, ge=0)
+
+    @model_validator(mode="after")
+    def _something(self):
+        if self.gate is None and self.plausibility_alpha is None and self.plausibility_top_p is None and self.termination is None:
+            raise ValueError(
+                "a remedy set needs at least one of `gate`, `plausibility_alpha`, `plausibility_top_p`, `termination`"
+            )
+        return self
+
+    @classmethod
+    def parse(cls, text: str) -> "RemedySettings":
+        """The string form used where a mapping cannot go (lm-eval's `model_args`):
+        `name:value` pairs of these fields joined by `;`, e.g. `gate:0.1;termination:base`."""
+        values: dict[str, str] = {}
+        for part in filter(None, (piece.strip() for piece in text.split(";"))):
+            name, separator, value = part.partition(":")
+            if not separator or not name.strip() or not value.strip():
+                raise ValueError(
+                    f"`remedies` must be `field:value` pairs joined by ';' (fields: {sorted(cls.model_fields)}), got {text!r}"
+                )
+            values[name.strip()] = value.strip()
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'remedies'}: {e['msg']}" for e in error.errors())
+            raise ValueError(f"`remedies` {text!r}: {problems}") from None
+
+    def build(self, eos_token_id: int) -> list:
+        """The `composition.remedies` objects, for `ComposedLM(..., remedies=...)`."""
+        remedies: list = []
+        if self.gate is not None:
+            remedies.append(ActivityGate(self.gate))
+        if self.plausibility_alpha is not None or self.plausibility_top_p is not None:
+            remedies.append(PlausibilityFilter(alpha=self.plausibility_alpha, top_p=self.plausibility_top_p))
+        if self.termination is not None:
+            remedies.append(TerminationRule(eos_token_id, source=self.termination, threshold=self.termination_threshold))
+        return remedies

@@ -14,10 +14,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from composition.io import load_yaml_config, validation_message
+from composition.io import load_yaml_config, read_yaml_mapping, validation_message
 from merging import METHODS, OptimizerSettings, validate_merge_params
-from tasks.registry import validate_task
-from tasks.remedies import RemedySettings
+from tasks.registry import COMPARE_KINDS, validate_task
+from composition.remedies import RemedySettings
 
 DEFAULT_TASK_TYPE = "letters"
 
@@ -288,9 +288,15 @@ def deep_merge(base: dict, overrides: dict) -> dict:
     return merged
 
 
-def load_config(path: str | Path) -> CompareConfig:
-    """Read a YAML file with `yaml.safe_load` and validate it; errors name the file and the field."""
-    return load_yaml_config(path, CompareConfig)
+def load_config(path: str | Path) -> BaseModel:
+    """Read a YAML file with `yaml.safe_load` and validate it; errors name the file and the field.
+
+    The model is that of the compare kind registered for `task.type` (`tasks.registry.COMPARE_KINDS`,
+    e.g. `lm_eval`), else `CompareConfig` (the synthetic tasks).
+    """
+    task = read_yaml_mapping(path).get("task")
+    kind = COMPARE_KINDS.get(task.get("type")) if isinstance(task, dict) else None
+    return load_yaml_config(path, CompareConfig if kind is None else kind.config)
 
 
 def fingerprint(*parts) -> str:

@@ -12,7 +12,7 @@ from tasks.formats import IGNORE_INDEX, SequenceFormat
 from tasks.strings import is_held_out
 from tasks.skills.spec import find_segments, joint_target, rewrite
 from tasks.skills.settings import SkillsTaskSettings, noisy_expert
-from tasks.remedies import RemedySettings
+from composition.remedies import RemedySettings
 from tasks.tokenizer import build_tokenizer, decode_ids
 
 SKILLS = [
