@@ -9,11 +9,20 @@ that defines such a model and registers it:
     class LettersTaskSettings(BaseModel): ...
 
 A duplicate name is an error; an unknown name lists the valid ones.
+
+**Compare kinds.** Most task types are synthetic tasks that `tasks.compare` trains itself, all
+configured by `tasks.config.CompareConfig`. A task type whose comparison is a different job
+(`type: lm_eval`: given checkpoints, scored by lm-evaluation-harness) registers a *compare kind*
+instead: its own top-level config model and the function that runs it. `tasks.config.load_config`
+and `tasks.compare.run_compare` dispatch through `COMPARE_KINDS`:
+
+    register_compare_kind("lm_eval", LmEvalCompareConfig, run_lm_eval_compare)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
@@ -80,6 +89,8 @@ def register_task_type(name: str) -> Callable[[type[BaseModel]], type[BaseModel]
     def add(cls: type[BaseModel]) -> type[BaseModel]:
         if name in _REGISTRY:
             raise ValueError(f"task type {name!r} is already registered (by {_REGISTRY[name].__qualname__})")
+        if name in _COMPARE_KINDS:
+            raise ValueError(f"task type {name!r} is already registered (as a compare kind)")
         missing = [member for member in _protocol_members() if not hasattr(cls, member) and member not in cls.model_fields]
         if missing:
             raise TypeError(f"task type {name!r} ({cls.__qualname__}) lacks {missing} of the TaskType protocol")
@@ -108,3 +119,28 @@ def validate_task(value: Any, default: str) -> BaseModel:
 def _protocol_members() -> list[str]:
     methods = [name for name, value in vars(TaskType).items() if callable(value) and not name.startswith("_")]
     return [*TaskType.__annotations__, *methods]
+
+
+@dataclass(frozen=True)
+class CompareKind:
+    """A comparison with its own config model: `run(config, out_dir, overwrite=, progress=, echo=) -> results`."""
+
+    task_type: str
+    config: type[BaseModel]
+    run: Callable[..., dict]
+
+
+_COMPARE_KINDS: dict[str, CompareKind] = {}
+COMPARE_KINDS = MappingProxyType(_COMPARE_KINDS)
+
+
+def register_compare_kind(task_type: str, config: type[BaseModel], run: Callable[..., dict]) -> None:
+    """Configs whose `task.type` is `task_type` are `config` models, run by `run` (a duplicate is an error)."""
+    if task_type in _COMPARE_KINDS or task_type in _REGISTRY:
+        raise ValueError(f"task type {task_type!r} is already registered")
+    _COMPARE_KINDS[task_type] = CompareKind(task_type, config, run)
+
+
+def compare_kind_of(config: BaseModel) -> CompareKind | None:
+    """The compare kind whose config model `config` is, or None (a synthetic-task `CompareConfig`)."""
+    return next((kind for kind in _COMPARE_KINDS.values() if isinstance(config, kind.config)), None)
