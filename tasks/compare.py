@@ -19,6 +19,7 @@ the training data, the evaluation data and any extra results sections.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -45,8 +46,14 @@ from tasks.evaluate import (
     score,
     summary,
 )
+from tasks.registry import compare_kind_of
 from tasks.report import format_tables, plot_lengths, write_markdown
 from tasks.remedies import remedy_system_name
+
+# `type: lm_eval` compares (checkpoints scored by lm-evaluation-harness) register their compare
+# kind on import; they need the optional `lm-eval` extra.
+if importlib.util.find_spec("lm_eval") is not None:
+    import tasks.lm_eval  # noqa: F401
 
 BAR = 0.99  # the issue's bar for components and for the composition
 
@@ -83,11 +90,17 @@ def run_compare(
     `threads`: torch's intra-op threads during the run (restored after); the models are so
     small that one thread is fastest, and several are much slower on a loaded machine.
     Returns the results dict (the content of results.json).
+
+    A config of another compare kind (`tasks.registry.COMPARE_KINDS`, e.g. `type: lm_eval`) is
+    run by that kind's own function, under the same `threads`; `sections` apply to `CompareConfig` only.
     """
+    kind = compare_kind_of(config)
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
+        if kind is not None:
+            return kind.run(config, Path(out_dir), overwrite=overwrite, progress=progress, echo=echo)
         return _run(config, Path(out_dir), overwrite, progress, sections, echo)
     finally:
         torch.set_num_threads(previous_threads)
