@@ -53,6 +53,11 @@ def check_task_names(names: Sequence[str], include_paths: Sequence[str] = ()) ->
     return manager
 
 
+def task_kind(manager: TaskManager, name: str) -> str:
+    """"task", "py_task", "group" or "tag": what `name` is in lm-eval's index."""
+    return manager.task_index[name].kind.name.lower()
+
+
 def unsafe_tasks(manager: TaskManager, names: Sequence[str]) -> list[str]:
     """The leaf tasks under `names` (tasks, groups, tags) whose config sets `unsafe_code: true`."""
     found: list[str] = []

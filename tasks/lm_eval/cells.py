@@ -49,7 +49,6 @@ class EvaluationSettings:
     gen_kwargs: dict | None
     allow_code_execution: bool
     include_digest: str  # a hash of the task files under the include paths
-    seed: int = 0
 
 
 def folder_digest(folders) -> str:
@@ -108,11 +107,7 @@ class CellStore:
             task_manager=self.manager,
             log_samples=True,
             confirm_run_unsafe_code=self.settings.allow_code_execution,
-            random_seed=self.settings.seed,
-            numpy_random_seed=self.settings.seed,
-            torch_random_seed=self.settings.seed,
-            fewshot_random_seed=self.settings.seed,
-        )
+        )  # lm-eval's own fixed seeds (random, numpy, torch, few-shot sampling)
         leaves = leaf_tasks(results, task.name)
         samples = {}
         for leaf in leaves:

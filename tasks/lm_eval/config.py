@@ -40,14 +40,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from lm_eval.tasks._index import Kind
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from composition.remedies import RemedySettings
 from merging import METHODS, CheckpointMergeConfig
 from tasks.config import MergeGrid, check_merge_grids
 from tasks.letters.lm_eval_tasks import LettersRun
-from tasks.lm_eval.catalog import check_task_names, unsafe_tasks
+from tasks.lm_eval.catalog import check_task_names, task_kind, unsafe_tasks
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
@@ -214,10 +213,10 @@ class LmEvalCompareConfig(_Strict):
             return None
         manager = check_task_names(list(dict.fromkeys(names)), [*self.include_paths(), *extra_paths])
         if self.merge_selection is not None and self.merge_selection.split is not None:
-            entry = manager.task_index[self.merge_selection.task]
-            if entry.kind is not Kind.TASK:
+            kind = task_kind(manager, self.merge_selection.task)
+            if kind not in ("task", "py_task"):
                 raise ValueError(f"`merge_selection.split` replaces a task's test split; {self.merge_selection.task!r} "
-                                 f"is a {entry.kind.name.lower()}, name one of its tasks instead")
+                                 f"is a {kind}, name one of its tasks instead")
         unsafe = unsafe_tasks(manager, names)
         if unsafe and not self.allow_code_execution:
             raise ValueError(

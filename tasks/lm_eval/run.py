@@ -78,7 +78,6 @@ def _run(config: LmEvalCompareConfig, out_dir: Path, overwrite: bool, progress: 
         gen_kwargs=config.task.gen_kwargs,
         allow_code_execution=config.allow_code_execution,
         include_digest=folder_digest([*config.include_paths(), *local_paths]),
-        seed=config.seed_merges,
     )
     cells = CellStore(out_dir, settings, manager)
     cache = out_dir / "cache"
@@ -143,8 +142,7 @@ def _merges(config: LmEvalCompareConfig, cells: CellStore, cache: Path, progress
             scores = []
             for build in builds:
                 system = build.system(f"merge:{method}@{_label(build.params)}", config)
-                cell = cells.get(system, task, lambda build=build, system=system: _load_model(
-                    _with_folder(system, build_merge(config, build, cache))))
+                cell = cells.get(system, task, _merge_loader(config, build, cache, system))
                 scores.append(_selection_score(cell, task.name, selection.metric))
                 record["validation"].append({"params": build.params, "score": scores[-1][0], "split": scores[-1][1]})
             higher = scores[0][2] is not False
@@ -178,8 +176,14 @@ def _label(params: dict) -> str:
     return ",".join(f"{key}={value}" for key, value in params.items()) or "default"
 
 
-def _with_folder(system: System, folder: Path) -> System:
-    return System(system.name, system.model, {**system.model_args, "pretrained": str(folder)}, system.identity)
+def _merge_loader(config: LmEvalCompareConfig, build, cache: Path, system: System) -> Callable:
+    """Builds the merge (unless cached) and loads it, only when its cell is not on disk."""
+
+    def load():
+        build_merge(config, build, cache)
+        return _load_model(system)
+
+    return load
 
 
 def _load_model(system: System):
