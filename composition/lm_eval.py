@@ -131,6 +131,8 @@ class ComposedHFLM(HFLM):
             raise ValueError(
                 f"generation settings {unknown} are not supported by the composed model; supported: {list(_SAMPLING_KWARGS)}"
             )
+        # lm-eval adds the EOS token's text to the stop strings; EOS already ends a row by its id.
+        eos_text = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
         temperature = float(generation_kwargs.get("temperature", 0.0) or 0.0)
         do_sample = bool(generation_kwargs.get("do_sample", temperature > 0.0))
         return self.composed.generate(
@@ -144,6 +146,6 @@ class ComposedHFLM(HFLM):
             seed=generation_kwargs.get("seed"),
             eos_token_id=self.eot_token_id,
             pad_token_id=self.tokenizer.pad_token_id,
-            stop_strings=[text for text in stop if text],
+            stop_strings=[text for text in stop if text and text != eos_text],
             tokenizer=self.tokenizer,
         )
