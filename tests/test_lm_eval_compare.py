@@ -108,6 +108,22 @@ def test_two_paths_one_answer(native_run, lm_eval_run):
     }
 
 
+def test_with_the_papers_merge_definitions_every_system_is_equal(native_run, lm_eval_run, tmp_path):
+    """`merge_definitions: paper` builds the merges as the native run does, so TIES is equal too."""
+    native_dir, native = native_run
+    _, run_dir, _ = lm_eval_run
+    shutil.copytree(run_dir / "cells", tmp_path / "run" / "cells")  # base, experts, compositions: reused by key
+    config = LmEvalCompareConfig.model_validate(lm_eval_data(native_dir, merge_definitions="paper"))
+    results = run_compare(config, tmp_path / "run", progress=False, echo=None)
+    assert set(results["systems"]) == set(native["systems"])
+    for name in native["systems"]:
+        for split in SPLITS:
+            ours = results["systems"][name]["splits"][f"letters_{split}/exact_match"]
+            assert ours["exact_match"] == native["systems"][name]["splits"][split]["exact_match"], (name, split)
+    built = sorted(path.name.split("-")[1] for path in (tmp_path / "run" / "cache").iterdir() if path.name.startswith("merge-"))
+    assert built == ["linear", "task_arithmetic", "ties"]
+
+
 def test_results_files_and_schema(lm_eval_run):
     config, out_dir, results = lm_eval_run
     assert {path.name for path in out_dir.iterdir()} >= {

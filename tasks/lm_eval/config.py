@@ -119,6 +119,10 @@ class LmEvalCompareConfig(_Strict):
     merge_experts: list[str] | None = None  # default: every expert
     merge_selection: MergeSelection | None = None
     seed_merges: int = 0  # DARE's random drop seed (mergekit's random_seed)
+    # Whose definitions the merges follow: mergekit's (`merge_checkpoints` on disk, the default), or
+    # the papers' (`merging.merge` in memory, as `mergecompose compare` merges, then saved): TIES and
+    # DARE differ between the two (see README, Merging).
+    merge_definitions: Literal["mergekit", "paper"] = "mergekit"
     letters_run: LettersRun | None = None
     batch_size: int = Field(8, ge=1)
     device: str = "cpu"

@@ -2,7 +2,8 @@
 
     base, expert:<name>   lm-eval's `hf` model (a peft adapter: `hf` with `peft=`, on the base)
     <composition>         our `composed` model (`composition.lm_eval`)
-    merge:<method>        `hf` on a mergekit merge (`merging.merge_checkpoints`) in the run's cache
+    merge:<method>        `hf` on a merge in the run's cache: mergekit's (`merging.merge_checkpoints`), or with
+                          `merge_definitions: paper` the papers' (`merging.merge`, as `mergecompose compare` does)
 
 Merges and LoRA experts made dense live in `CACHE/` under a hash of their inputs (the method,
 its parameters, the dtype, the seed, and each source: a hub id, or a local folder's files with
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from composition.io import atomic_output_dir
 from composition.model import is_adapter_source
-from merging import TaskVector, merge_checkpoints
+from merging import TaskVector, merge, merge_checkpoints
 from tasks.config import fingerprint
 from tasks.lm_eval.config import LmEvalCompareConfig
 
@@ -115,6 +116,7 @@ def plan_merge(config: LmEvalCompareConfig, method: str, params: dict, cache: Pa
         {
             "method": method, "params": params, "dtype": config.dtype, "seed": config.seed_merges,
             "sources": [source_identity(source) for source in sources],
+            **({"definitions": config.merge_definitions} if config.merge_definitions != "mergekit" else {}),
         }
     )
     return MergeBuild(method, dict(params), key, cache / f"merge-{method}-{key}")
@@ -125,9 +127,24 @@ def build_merge(config: LmEvalCompareConfig, build: MergeBuild, cache: Path) -> 
     if build.folder.is_dir():
         return build.folder
     experts = {name: dense_checkpoint(config, name, cache) for name in config.merged_experts()}
+    if config.merge_definitions == "paper":
+        _merge_in_memory(config, build, list(experts.values()))
+        return build.folder
     options = {"device": config.device} if config.device != "cpu" else None
     merge_checkpoints(config.merge_config(build.method, build.params, experts), build.folder, options=options)
     return build.folder
+
+
+def _merge_in_memory(config: LmEvalCompareConfig, build: MergeBuild, experts: list[str]) -> None:
+    """`merging.merge` with the papers' definitions (as `mergecompose compare` merges), saved as a checkpoint with the base's tokenizer."""
+    dtype = DTYPES[config.dtype]
+    base = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype)
+    models = [AutoModelForCausalLM.from_pretrained(expert, dtype=dtype) for expert in experts]
+    state = merge(build.method, base, models, seed=config.seed_merges, progress=False, **build.params)
+    with atomic_output_dir(build.folder, overwrite=True) as folder:
+        base.load_state_dict(state)
+        base.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(config.base).save_pretrained(str(folder))
 
 
 def dense_checkpoint(config: LmEvalCompareConfig, name: str, cache: Path) -> str:
