@@ -48,7 +48,8 @@ def write_markdown(results: dict, path: Path) -> None:
         "",
     ]
     if results["merges"]:
-        parts += ["## Merges (mergekit)", ""]
+        definitions = results["config"].get("merge_definitions", "mergekit")
+        parts += [f"## Merges ({'mergekit' if definitions == 'mergekit' else 'the papers’ definitions, merging.merge'})", ""]
         rows = []
         for method, record in results["merges"].items():
             tried = ", ".join(f"{entry['params']}: {100 * entry['score']:.1f}" for entry in record.get("validation", []))
