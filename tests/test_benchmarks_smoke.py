@@ -3,6 +3,7 @@
 import json
 
 from benchmarks import decode, merge
+from benchmarks import lm_eval as lm_eval_benchmark
 
 
 def test_decode_benchmark_runs(tmp_path):
@@ -11,6 +12,16 @@ def test_decode_benchmark_runs(tmp_path):
     results = json.loads(out.read_text())
     assert set(results["batches"]["1"]) == {"base", "full", "lora", "naive"}
     assert set(results["peak_rss_mb"]) == {"base", "full", "lora", "naive"}
+
+
+def test_lm_eval_benchmark_runs(tmp_path):
+    out = tmp_path / "lm_eval.json"
+    assert lm_eval_benchmark.main(["--smoke", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["batches"]) == {"1", "2"}
+    for rows in results["batches"].values():
+        assert set(rows) == {"hf", "composed"}
+        assert all(row["tokens"] > 0 for row in rows.values())
 
 
 def test_merge_benchmark_runs(tmp_path):
