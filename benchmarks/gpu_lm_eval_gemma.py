@@ -84,7 +84,12 @@ import transformers
 import yaml
 from transformers import AutoModelForCausalLM, Gemma2Config, PreTrainedTokenizerFast
 
+import lm_eval
 from analysis.data import char_tokenizer
+from benchmarks.decode import model_config as decode_config
+from tasks.compare import run_compare
+from tasks.config import load_config
+from tasks.lm_eval import run as lm_eval_run  # importing it registers the `lm_eval` compare kind
 
 GEMMA_SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}  # ids 0, 1, 2, 3
 ASCII = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 "
@@ -119,8 +124,6 @@ def model_config(args) -> Gemma2Config:
             bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.02,
         )
     else:
-        from benchmarks.decode import model_config as decode_config
-
         config = decode_config(argparse.Namespace(arch="gemma2-2b"))  # google/gemma-2-2b's shape
     if args.vocab is not None:
         config.vocab_size = args.vocab
@@ -292,8 +295,6 @@ class PeakMemory:
 
 def measure_systems(device: torch.device, peak: PeakMemory) -> dict:
     """Wrap the lm_eval compare's model loader: each system's wall seconds (load and cells) and peak GPU memory."""
-    from tasks.lm_eval import run as lm_eval_run
-
     records = {}
     original_enter, original_exit = lm_eval_run._Loader.__enter__, lm_eval_run._Loader.__exit__
 
@@ -326,12 +327,6 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no GPU (use --tiny for the CPU check)")
-
-    import lm_eval
-
-    import tasks.lm_eval  # registers the `lm_eval` compare kind
-    from tasks.compare import run_compare
-    from tasks.config import load_config
 
     config = model_config(args)
     temporary = args.work is None
