@@ -597,7 +597,7 @@ def _check_left_padded(attention_mask: torch.Tensor) -> None:
         raise ValueError("`attention_mask` has a row with no tokens; every prompt needs at least one")
 
 
-def _stop_criteria(stop_strings, tokenizer) -> StopStringCriteria | None:
+def _stop_criteria(stop_strings, tokenizer) -> "StopStringCriteria | DecodedStops | None":
     """transformers' stop-string matcher for `stop_strings`, or None when there are none."""
     if stop_strings is None:
         return None
@@ -615,7 +615,29 @@ def _stop_criteria(stop_strings, tokenizer) -> StopStringCriteria | None:
             "`tokenizer` is needed to match `stop_strings` against generated tokens, and this ComposedLM has "
             "none; pass `tokenizer=` (the base model's tokenizer)"
         )
-    return StopStringCriteria(tokenizer, list(stop_strings))
+    try:
+        return StopStringCriteria(tokenizer, list(stop_strings))
+    except Exception:  # noqa: BLE001 - transformers cannot index this tokenizer's vocabulary for these strings
+        # e.g. a tokenizer without an unknown token, or a stop string no token can produce.
+        return DecodedStops(tokenizer, list(stop_strings))
+
+
+class DecodedStops:
+    """Stop strings matched on decoded text, where transformers' `StopStringCriteria` cannot be built.
+
+    A row is finished once a stop string occurs in the decoded text of its generated tokens (as
+    lm-eval's own stopping criterion matches them); a string no token sequence decodes to never
+    matches. Called like a stopping criterion: `(generated (B, N), scores) -> (B,)` bool.
+    """
+
+    def __init__(self, tokenizer, stop_strings: list[str]):
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+
+    def __call__(self, generated: torch.Tensor, scores=None) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(generated.tolist(), skip_special_tokens=False)
+        done = [any(stop in text for stop in self.stop_strings) for text in texts]
+        return torch.tensor(done, dtype=torch.bool, device=generated.device)
 
 
 def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:

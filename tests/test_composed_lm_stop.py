@@ -11,6 +11,7 @@ import torch
 from analysis.data import char_tokenizer
 from composition import ComposedLM
 from composition.tiny import random_llama
+from tasks.tokenizer import build_tokenizer
 
 CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567"
 PROMPTS = ["abc", "hello", "XYZ0", "q", "tuvw"]
@@ -167,3 +168,27 @@ def test_empty_eos_list_turns_eos_stopping_off(identity, tiny_config, prompts):
     assert torch.equal(by_default, free[:, : prompt_length + 1])  # the config's EOS still stops every row
     off = eos_is_the_argmax.generate(ids, mask, max_new_tokens=12, eos_token_id=[], pad_token_id=PAD)
     assert torch.equal(off, free)
+
+
+def test_stop_strings_transformers_cannot_index_are_matched_on_decoded_text(composed, tokenizer, prompts):
+    """A tokenizer without an unknown token (the tasks' letters one), or a stop string no token can
+    produce, makes transformers' `StopStringCriteria` fail; those are matched on the decoded text."""
+    ids, mask = prompts
+    free = composed.generate(ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=PAD)
+    tokens = generated_tokens(tokenizer, free, ids.shape[1])
+    never = composed.generate(ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=PAD,
+                              stop_strings=["#"], tokenizer=tokenizer)  # "#" is no token's text
+    assert torch.equal(never, free)
+    # The tasks' character tokenizer has no unknown token: transformers' matcher cannot be built for it.
+    without_unk = build_tokenizer(CHARACTERS + "!")  # 3 special tokens + 61 characters: vocab 64 too
+    assert len(without_unk) == 64 and without_unk.unk_token is None
+    tokens = generated_tokens(without_unk, free, ids.shape[1])
+    stop = tokens[0][2]  # the third generated token of row 0
+    stopped = composed.generate(ids, mask, max_new_tokens=8, eos_token_id=[], pad_token_id=PAD,
+                                stop_strings=[stop], tokenizer=without_unk)
+    for row, row_tokens in enumerate(tokens):
+        end = first_stop(row_tokens, [stop])
+        expected = free[row] if end is None else torch.cat([free[row, : ids.shape[1] + end + 1],
+                                                            torch.full((8 - end - 1,), PAD)])
+        assert torch.equal(stopped[row, : expected.shape[0]], expected), row
+    assert first_stop(tokens[0], [stop]) is not None
