@@ -48,6 +48,7 @@ from tasks.evaluate import (
 )
 from tasks.registry import compare_kind_of
 from tasks.report import format_tables, plot_lengths, write_markdown
+from tasks.run_folder import check_run_dir
 from tasks.remedies import remedy_system_name
 
 # `type: lm_eval` compares (checkpoints scored by lm-evaluation-harness) register their compare
@@ -119,7 +120,7 @@ class Setting:
 def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
     started = time.perf_counter()
     config_hash = fingerprint(config)
-    _check_run_dir(out_dir, config_hash, overwrite)
+    check_run_dir(out_dir, config_hash, overwrite, "a compare run folder", cached=("checkpoints",))
     out_dir.mkdir(parents=True, exist_ok=True)
 
     main = _run_setting(config, out_dir, progress)
@@ -394,29 +395,3 @@ def check_bars(config: CompareConfig, systems: dict) -> list[dict]:
             add(f"{name} on joint at length {double} >= {BAR:.0%} (applies where every component is >= {BAR:.0%})",
                 systems[name]["by_length"][double], applies=ready, n=systems[name]["by_length_n"][double])
     return bars
-
-
-# ---------------------------------------------------------------------------------- files
-
-
-def _check_run_dir(out_dir: Path, config_hash: str, overwrite: bool) -> None:
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise ValueError(f"`out_dir` {str(out_dir)!r} exists and is not a folder")
-    results = out_dir / "results.json"
-    if results.is_file():
-        previous = json.loads(results.read_text()).get("config_hash")
-        if previous != config_hash and not overwrite:
-            raise FileExistsError(
-                f"{out_dir} holds the results of another config (hash {previous}, this one is {config_hash}); "
-                "pass overwrite=True (--overwrite) to replace them, or choose another folder"
-            )
-        return
-    others = [path.name for path in out_dir.iterdir() if path.name != "checkpoints"]
-    if others and not overwrite:
-        raise FileExistsError(
-            f"{out_dir} exists and is not a compare run folder (it holds {sorted(others)[:5]}); "
-            "pass overwrite=True (--overwrite) or choose another folder"
-        )
-

@@ -38,6 +38,7 @@ from tasks.lm_eval.config import LmEvalCompareConfig
 from tasks.lm_eval.report import plot_bars, results_table, write_markdown
 from tasks.lm_eval.systems import System, build_merge, composition_systems, plan_merge, single_systems
 from tasks.registry import register_compare_kind
+from tasks.run_folder import check_run_dir
 
 # What a run folder may hold besides results.json before it counts as someone else's folder.
 _RUN_ENTRIES = {"config.yaml", "lm_eval_tasks", "cache", "cells", "samples", "results.md", "bars.png"}
@@ -63,7 +64,7 @@ def run_lm_eval_compare(
 def _run(config: LmEvalCompareConfig, out_dir: Path, overwrite: bool, progress: bool, echo) -> dict:
     started = time.perf_counter()
     config_hash = fingerprint(config)
-    _check_run_dir(out_dir, config_hash, overwrite)
+    check_run_dir(out_dir, config_hash, overwrite, "an lm_eval compare folder", cached=_RUN_ENTRIES)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
 
@@ -224,29 +225,6 @@ class _Loader:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-
-def _check_run_dir(out_dir: Path, config_hash: str, overwrite: bool) -> None:
-    """Refuse a folder that holds another config's results, or that is no lm_eval run folder, unless `overwrite`."""
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        raise ValueError(f"`out_dir` {str(out_dir)!r} exists and is not a folder")
-    results = out_dir / "results.json"
-    if results.is_file():
-        previous = json.loads(results.read_text()).get("config_hash")
-        if previous != config_hash and not overwrite:
-            raise FileExistsError(
-                f"{out_dir} holds the results of another config (hash {previous}, this one is {config_hash}); "
-                "pass overwrite=True (--overwrite) to replace them, or choose another folder"
-            )
-        return
-    others = sorted(path.name for path in out_dir.iterdir() if path.name not in _RUN_ENTRIES)
-    if others and not overwrite:
-        raise FileExistsError(
-            f"{out_dir} exists and is not an lm_eval compare folder (it holds {others[:5]}); "
-            "pass overwrite=True (--overwrite) or choose another folder"
-        )
 
 
 register_compare_kind("lm_eval", LmEvalCompareConfig, run_lm_eval_compare)
