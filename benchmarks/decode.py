@@ -38,10 +38,8 @@ from composition.tiny import ALL_LINEAR, tiny_llama_config
 SYSTEMS = ["base", "full", "lora", "naive"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="llama", choices=["llama", "gemma2-2b"],
-                        help="llama: sized by the flags below; gemma2-2b: a random Gemma-2-2B-shaped model")
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's size, the adapters' rank, the prompts and the repeats: shared with `benchmarks.lm_eval`."""
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--heads", type=int, default=8)
@@ -52,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--repeats", type=int, default=5)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="llama", choices=["llama", "gemma2-2b"],
+                        help="llama: sized by the flags below; gemma2-2b: a random Gemma-2-2B-shaped model")
+    add_workload_arguments(parser)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     parser.add_argument("--lora-implementation", default="stacked", choices=["stacked", "peft"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -38,7 +38,7 @@ from lm_eval.tasks import TaskManager
 from transformers import PreTrainedTokenizerFast
 
 from analysis.data import SPECIAL_TOKENS, char_tokenizer
-from benchmarks.decode import Workbench, _sync
+from benchmarks.decode import Workbench, _sync, add_workload_arguments
 from benchmarks.report import write_results
 import composition.lm_eval  # noqa: F401  (registers `composed` with lm-eval)
 from composition.io import markdown_table
@@ -46,25 +46,15 @@ from composition.tiny import random_lora_adapter
 
 SYSTEMS = ["hf", "composed"]
 TASK = "throughput_generate_until"
-# The stop string. Made of vocabulary characters: transformers' `StopStringCriteria` (the composed
-# model's stop matcher) raises when no token can end a stop string (e.g. "#" here). Ten given
-# characters in a row practically never come out of these models; the token count would show it.
+# The stop string: ten vocabulary characters in a row, which practically never come out of these
+# models (the token count would show it), so both systems generate full length.
 NEVER = "zyxwvutsrq"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--intermediate", type=int, default=1024)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--prompt-length", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    add_workload_arguments(parser)  # decode's model, adapters and prompt sizes
     parser.add_argument("--prompts", type=int, default=16, help="documents in the task")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
