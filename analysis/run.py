@@ -19,7 +19,7 @@ from analysis.measure import measure_overlap, rollout_batches
 from analysis.report import write_outputs
 from analysis.streaming import OverlapSettings
 from composition import ComposedLM
-from composition.io import atomic_output_dir, refuse_existing
+from composition.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
 from composition.model import is_adapter_source
 from merging import TaskVector, merge
 
@@ -111,6 +111,8 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     The output folder is written atomically (a temporary folder next to it, then renamed); an
     existing one is refused unless `config.overwrite`. Returns the overlap.json content.
     """
+    inputs = [config.base, *config.experts, config.merged, config.data, config.tokenizer]
+    refuse_output_over_inputs(config.out, inputs, "`out`")
     refuse_existing(config.out, config.overwrite)
     device = _device(config.device)
     k = len(config.experts)

@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,6 +29,24 @@ def refuse_existing(out_dir: str | os.PathLike, overwrite: bool) -> Path:
             f"`out_dir` {str(out_dir)!r} already exists; pass overwrite=True (--overwrite on the command line) to replace it"
         )
     return out_dir
+
+
+def refuse_output_over_inputs(out_dir: str | os.PathLike, inputs: Iterable[str | os.PathLike | None], what: str = "`out_dir`") -> None:
+    """Refuse an output folder that is, contains, or lies inside a local input.
+
+    Writing there (and with overwrite, replacing the folder) would delete or change the input.
+    Inputs that are not local paths (hub ids, None, model objects) are skipped.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    for source in inputs:
+        if not isinstance(source, (str, os.PathLike)) or not Path(source).expanduser().exists():
+            continue
+        local = Path(source).expanduser().resolve()
+        if out == local or out in local.parents or local in out.parents:
+            raise ValueError(
+                f"{what} {str(out_dir)!r} is, contains or lies inside the input {str(source)!r}; writing there would "
+                "delete or change that input (with overwrite, replace it): choose a folder outside every input"
+            )
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
-from composition.io import atomic_output_dir, read_yaml_mapping, refuse_existing
+from composition.io import atomic_output_dir, read_yaml_mapping, refuse_existing, refuse_output_over_inputs
 from merging.merge import MERGEKIT_MODE
 from merging.registry import mergekit_methods, validate_merge_params
 from merging.settings import MergeSettings, readable_error
@@ -175,6 +175,9 @@ def merge_checkpoints(
         # mergekit takes a missing local folder for a hub id; say what is wrong instead.
         if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
             raise ValueError(f"model folder {path!r} in `config` does not exist")
+    sources = [str(reference.model.path) for reference in merge_configuration.referenced_models()]
+    config_file = [config] if isinstance(config, (str, os.PathLike)) else []
+    refuse_output_over_inputs(out_dir, [*sources, *config_file])
     refuse_existing(out_dir, overwrite)
     defaults = {"copy_tokenizer": _has_tokenizer(mergekit_dict), "quiet": False}
     if ours is not None and ours.model_extra.get("seed") is not None:

@@ -29,7 +29,7 @@ from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from pydantic import BaseModel, ConfigDict, Field
 
 from composition.adapters import check_adapter_fits, read_adapter
-from composition.io import atomic_output_dir, refuse_existing
+from composition.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
 from merging.state_dicts import check_same_shape, compute_dtype, state_dict_of
 from merging.training import IGNORE_INDEX, Batch, OptimizerSettings, train_model
 
@@ -152,6 +152,7 @@ def combine_lora_adapters(
     weights = [1.0] * len(names) if weights is None else [float(weight) for weight in weights]
     if len(weights) != len(names) or not all(math.isfinite(weight) for weight in weights):
         raise ValueError(f"`weights` must hold {len(names)} finite numbers, got {weights}")
+    refuse_output_over_inputs(out_dir, adapters.values())
     refuse_existing(out_dir, overwrite)
 
     peft_model = None
