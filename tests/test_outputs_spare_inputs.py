@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
+import stat
 
 import pytest
 import yaml
 
-from composition.io import refuse_output_over_inputs
+from composition.io import atomic_output_dir, atomic_write_text, refuse_output_over_inputs
 from merging import combine_lora_adapters
 from mergecompose_cli import main
 
@@ -64,3 +66,15 @@ def test_inputs_that_are_not_local_folders_are_skipped(tmp_path):
     refuse_output_over_inputs(tmp_path / "out", ["google/gemma-2-2b", None, object(), tmp_path / "missing"])
     with pytest.raises(ValueError, match="`out`"):
         refuse_output_over_inputs(tmp_path, [tmp_path / "data.jsonl", tmp_path], "`out`")
+
+
+def test_atomic_writes_give_files_the_users_umask(tmp_path):
+    previous = os.umask(0o027)
+    try:
+        atomic_write_text(tmp_path / "a.txt", "x")
+        assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o640
+        with atomic_output_dir(tmp_path / "folder") as folder:
+            (folder / "b.txt").write_text("y")
+        assert stat.S_IMODE((tmp_path / "folder").stat().st_mode) == 0o750
+    finally:
+        os.umask(previous)
