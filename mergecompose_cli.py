@@ -12,6 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from composition.cli_common import command_settings
+from composition.io import validation_message
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
 _COMMAND_MODULES = ["composition.cli", "merging.cli", "analysis.cli", "tasks.cli"]
@@ -70,7 +71,7 @@ def error_message(error: BaseException) -> str:
     other multi-line messages (e.g. a config error that embeds pydantic's) have their lines joined
     with "; ", without pydantic's "For further information visit ..." links."""
     if isinstance(error, ValidationError):
-        return f"{error.title}: " + "; ".join(_validation_problem(problem) for problem in error.errors())
+        return f"{error.title}: {validation_message(error)}"
     text = ""
     for line in str(error).splitlines():
         line = line.strip()
@@ -78,16 +79,6 @@ def error_message(error: BaseException) -> str:
             continue
         text += line if not text else (" " if text.endswith(":") else "; ") + line
     return text or type(error).__name__
-
-
-def _validation_problem(problem: dict) -> str:
-    where = ".".join(str(part) for part in problem["loc"])
-    message = f"{where}: {problem['msg']}" if where else problem["msg"]
-    received = repr(problem.get("input"))
-    # Our validators' messages name the value already; a missing field's input is the whole mapping.
-    if where and problem["type"] not in ("value_error", "missing") and len(received) <= 80:
-        message += f" (got {received})"
-    return message
 
 
 if __name__ == "__main__":

@@ -139,17 +139,19 @@ def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
 
 
 def validation_message(error: ValidationError) -> str:
-    """A pydantic error as one line: `field.path: message, got value` per problem, joined by '; '.
+    """A pydantic error as one line: `field.path: message (got value)` per problem, joined by '; '.
 
-    Our own validators' messages already name the value received, so theirs are kept as they are.
+    Our own validators' messages already name the value received, and a missing field's input is
+    the whole mapping, so neither gets `(got …)`; nor does a value too long to read in one line.
     """
     problems = []
     for problem in error.errors():
-        where = ".".join(map(str, problem["loc"])) or "config"
-        if problem["type"] == "value_error":
-            problems.append(f"{where}: {problem['msg'].removeprefix('Value error, ')}")
-        else:
-            problems.append(f"{where}: {problem['msg']}, got {problem['input']!r}")
+        where = ".".join(map(str, problem["loc"]))
+        message = f"{where}: {problem['msg']}" if where else problem["msg"]
+        received = repr(problem.get("input"))
+        if where and problem["type"] not in ("value_error", "missing") and len(received) <= 80:
+            message += f" (got {received})"
+        problems.append(message)
     return "; ".join(problems)
 
 

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from composition.io import validation_message
 from composition.rule import compose_logprobs
 
 
@@ -208,8 +209,7 @@ class RemedySettings(BaseModel):
         try:
             return cls.model_validate(values)
         except ValidationError as error:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'remedies'}: {e['msg']}" for e in error.errors())
-            raise ValueError(f"`remedies` {text!r}: {problems}") from None
+            raise ValueError(f"`remedies` {text!r}: {validation_message(error)}") from None
 
     def build(self, eos_token_id: int) -> list:
         """The `composition.remedies` objects, for `ComposedLM(..., remedies=...)`."""
