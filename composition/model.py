@@ -626,16 +626,19 @@ class DecodedStops:
     """Stop strings matched on decoded text, where transformers' `StopStringCriteria` cannot be built.
 
     A row is finished once a stop string occurs in the decoded text of its generated tokens (as
-    lm-eval's own stopping criterion matches them); a string no token sequence decodes to never
-    matches. Called like a stopping criterion: `(generated (B, N), scores) -> (B,)` bool.
+    lm-eval's own stopping criterion matches them, on the last tokens only); a string no token
+    sequence decodes to never matches. Called like a stopping criterion: `(generated (B, N), scores) -> (B,)` bool.
     """
 
     def __init__(self, tokenizer, stop_strings: list[str]):
         self.tokenizer = tokenizer
         self.stop_strings = stop_strings
+        # Called after every step: a match that ends in the newest token lies within the last
+        # `longest` tokens (each token is at least one character), and earlier ones were seen before.
+        self.window = max(len(text) for text in stop_strings)
 
     def __call__(self, generated: torch.Tensor, scores=None) -> torch.Tensor:
-        texts = self.tokenizer.batch_decode(generated.tolist(), skip_special_tokens=False)
+        texts = self.tokenizer.batch_decode(generated[:, -self.window :].tolist(), skip_special_tokens=False)
         done = [any(stop in text for stop in self.stop_strings) for text in texts]
         return torch.tensor(done, dtype=torch.bool, device=generated.device)
 
