@@ -124,13 +124,26 @@ def markdown_table(header: Sequence, rows: Sequence[Sequence], cell: Callable[[o
     return "\n".join([line(head), "|" + "|".join("-" * (width + 2) for width in widths) + "|", *map(line, body)])
 
 
+def read_utf8(path: str | os.PathLike, what: str = "file") -> str:
+    """The text of `path`; a byte that is not UTF-8 is reported with the file, the line and the byte."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ValueError(
+            f"{what} {str(path)!r} is not UTF-8 text: byte {data[error.start:error.start + 1]!r} on line {line} "
+            f"({error.reason}); save it as UTF-8"
+        ) from None
+
+
 def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
     """The mapping in the YAML file `path` (`yaml.safe_load`); errors name `what`, the file and what was found."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{what} file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read_utf8(path, f"{what} file"))
     except yaml.YAMLError as error:
         raise ValueError(f"{what} file {str(path)!r} is not valid YAML: {' '.join(str(error).split())}") from None
     if not isinstance(data, dict):
