@@ -11,7 +11,7 @@ import sys
 import yaml
 from pydantic import ValidationError
 
-from composition.cli_common import command_settings
+from composition.cli_common import check_output_location, command_settings
 from composition.io import validation_message
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
@@ -57,6 +57,7 @@ def _add_missing_extra(subparsers, command: str, package: str, extra: str) -> No
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_output_location(getattr(args, "out", None))
         with command_settings(getattr(args, "threads", None), getattr(args, "quiet", False)):
             return int(args.func(args) or 0)
     except EXPECTED_ERRORS as error:

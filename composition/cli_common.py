@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from transformers.utils import logging as transformers_logging
@@ -64,3 +66,20 @@ def command_settings(threads: int | None, quiet: bool) -> Iterator[None]:
         torch.set_num_threads(previous_threads)
         if bars_were_enabled:
             transformers_logging.enable_progress_bar()
+
+
+def check_output_location(out: str | os.PathLike | None, flag: str = "--out") -> None:
+    """Refuse, before any work, an output path that cannot be written: one that is an existing file,
+    or whose nearest existing parent is a file or a folder this user may not write into."""
+    if out is None:
+        return
+    path = Path(out).expanduser()
+    if path.is_file():
+        raise FileExistsError(f"`{flag}` {str(out)!r} is a file; give a folder")
+    parent = path if path.is_dir() else path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise NotADirectoryError(f"`{flag}` {str(out)!r} cannot be created: {str(parent)!r} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"`{flag}` {str(out)!r} cannot be written: {str(parent)!r} is not writable by this user")

@@ -26,6 +26,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# The linear layers LoRA may adapt in each architecture (peft matches `target_modules` by name suffix).
+LORA_TARGETS = {
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+}
+
+
 class PositionSettings(_Strict):
     """Position ids (see `tasks.formats`): the scheme, and random slots in training."""
 
@@ -233,6 +240,16 @@ class CompareConfig(_Strict):
                 f"`positions.max_position` ({self.positions.max_position}) exceeds "
                 f"`model.max_position_embeddings` ({self.model.max_position_embeddings})"
             )
+        experts = self.training.experts
+        for where, lora in [("lora", experts.lora), *((f"lora_per_skill.{k}", v) for k, v in experts.lora_per_skill.items())]:
+            targets = LORA_TARGETS[self.model.architecture]
+            if lora is not None and lora.target_modules != "all-linear":
+                wrong = [name for name in lora.target_modules if name.rsplit(".", 1)[-1] not in targets]
+                if wrong:
+                    raise ValueError(
+                        f"`training.experts.{where}.target_modules` names {wrong}, which are not linear layers of "
+                        f"{self.model.architecture}; valid: {list(targets)} or 'all-linear'"
+                    )
         known = self.task.skill_names()
         unknown = sorted(set(self.training.experts.lora_per_skill) - set(known))
         if unknown:

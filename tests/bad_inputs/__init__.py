@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 OUTCOMES = ("clear", "misleading", "traceback", "silent", "data-loss")
-# The class each row belonged to when the issue was filed (what a user saw then).
-ISSUE_CLASSES = ("traceback", "silent", "misleading", "data-loss")
+# The class each row belonged to when the issue was filed (what a user saw then; "clear" rows guard what held up).
+ISSUE_CLASSES = ("clear", "traceback", "silent", "misleading", "data-loss")
 
 
 @dataclass
