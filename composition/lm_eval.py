@@ -63,6 +63,17 @@ def _number(text, name: str) -> float:
         raise ValueError(f"`{name}` must be numbers separated by '|', got {text!r}") from None
 
 
+def _positive_integer(value, name: str) -> int:
+    """An integer >= 1 from lm-eval's string `model_args` or a number; errors name the argument."""
+    try:
+        number = int(str(value).strip()) if not isinstance(value, bool) else None
+    except ValueError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"`{name}` must be a positive integer (it must be >= 1), got {value!r}")
+    return number
+
+
 @register_model("composed")
 class ComposedHFLM(HFLM):
     """lm-eval's `HFLM` whose model calls are those of a `ComposedLM` (see the module docstring)."""
@@ -86,13 +97,10 @@ class ComposedHFLM(HFLM):
             weights = [_number(weight, "weights") for weight in split_list(weights, "weights")]
         if str(dtype) not in _DTYPES:
             raise ValueError(f"`dtype` must be one of {sorted(_DTYPES)}, got {dtype!r}")
-        if isinstance(batch_size, str) and not batch_size.isdigit():
-            raise ValueError(f"`batch_size` must be a positive integer for the composed model, got {batch_size!r}")
-        if int(batch_size) < 1:
-            raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}")
-        self.chunk_bytes = int(chunk_megabytes) * 2**20
-        if self.chunk_bytes < 1:
-            raise ValueError(f"`chunk_megabytes` must be >= 1, got {chunk_megabytes!r}")
+        batch_size = _positive_integer(batch_size, "batch_size")  # lm-eval's "auto" is not supported
+        self.chunk_bytes = _positive_integer(chunk_megabytes, "chunk_megabytes") * 2**20
+        if max_length is not None:
+            max_length = _positive_integer(max_length, "max_length")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"`device` is {device!r} but no CUDA device is available; pass `--device cpu` (lm-eval's default is cuda)")
         if remedies is not None and not isinstance(remedies, RemedySettings):
@@ -107,7 +115,7 @@ class ComposedHFLM(HFLM):
             composed.remedies = tuple(remedies.build(composed.tokenizer.eos_token_id))
         self.composed = composed
         super().__init__(
-            pretrained=composed.base_model, tokenizer=composed.tokenizer, batch_size=int(batch_size),
+            pretrained=composed.base_model, tokenizer=composed.tokenizer, batch_size=batch_size,
             max_length=max_length, **kwargs,
         )
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,6 +36,7 @@ from transformers import (
 
 from composition.adapters import TrainingFlags, check_adapter_names, load_adapters_on_base
 from composition.remedies import compose_with_remedies
+from composition.rule import check_weights
 from composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,91 @@ def vocab_size(model: torch.nn.Module) -> int:
     if output_embeddings is not None and hasattr(output_embeddings, "weight"):
         return int(output_embeddings.weight.shape[0])
     return int(model.config.vocab_size)
+
+
+# Config fields that hold the number of positions a model was built for, in the order looked up.
+_CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """The number of positions the model was built for (`max_position_embeddings` or a synonym), or None."""
+    config = getattr(model, "config", None)
+    for name in _CONTEXT_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def as_token_ids(value, name: str = "input_ids") -> torch.Tensor:
+    """`value` as a non-empty `(batch, seq)` integer tensor; a list of equal-length lists is converted.
+
+    Raises TypeError for something that is not a tensor or a list, or holds no integers; ValueError
+    for another shape. The range of the ids is checked where the vocabulary is known."""
+    if isinstance(value, (list, tuple)):
+        try:
+            value = torch.tensor(value)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(
+                f"`{name}` must be a (batch, seq) tensor or a list of equal-length lists of token ids; "
+                f"could not convert the list: {error}"
+            ) from None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"`{name}` must be a (batch, seq) torch.Tensor of token ids (or a list of lists), got {type(value).__name__}")
+    if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+        raise TypeError(f"`{name}` must hold integer token ids, got dtype {value.dtype}")
+    if value.dim() != 2 or value.numel() == 0:
+        raise ValueError(f"`{name}` must be a non-empty (batch, seq) tensor, got shape {tuple(value.shape)}")
+    return value
+
+
+def as_mask(value, shape: tuple, name: str = "attention_mask") -> torch.Tensor:
+    """`value` as a long tensor of 0s and 1s of `shape`; a list is converted. Errors name the bad value."""
+    if isinstance(value, (list, tuple)):
+        try:
+            value = torch.tensor(value)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"`{name}` must be a tensor or a list of equal-length lists of 0/1; could not convert it: {error}") from None
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor of 0s and 1s (or a list of lists), got {type(value).__name__}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"`{name}` must have the shape of `input_ids` {tuple(shape)}, got {tuple(value.shape)}")
+    invalid = (value != 0) & (value != 1)
+    if invalid.any():
+        raise ValueError(
+            f"`{name}` must hold only 0 and 1 (1 = a token, 0 = padding), got {value[invalid][0].item()!r}"
+        )
+    return value.long()
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_decoding(max_new_tokens, do_sample, temperature, top_k, top_p, seed) -> None:
+    """The sampling arguments, checked by the rules of transformers' warpers (`TemperatureLogitsWarper`:
+    temperature > 0; `TopKLogitsWarper`: an integer top_k ≥ 1, and as in `generate`, 0 or None for
+    none; `TopPLogitsWarper`: top_p in [0, 1]), plus NaN and ±inf, which those let through."""
+    if not _is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens!r} (an integer number of tokens)")
+    if do_sample not in (True, False):
+        raise ValueError(f"`do_sample` must be True or False, got {do_sample!r}")
+    greedy_zero = not do_sample and _is_number(temperature) and temperature == 0  # "temperature 0" = greedy
+    if not greedy_zero and not (_is_number(temperature) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(
+            f"`temperature` must be a finite number > 0, got {temperature!r}"
+            + (" (for greedy decoding pass do_sample=False)" if temperature == 0 else "")
+        )
+    if top_k is not None and not (_is_integer(top_k) and top_k >= 0):
+        raise ValueError(f"`top_k` must be an integer >= 1 (0 or None: no top-k filtering), got {top_k!r}")
+    if top_p is not None and not (_is_number(top_p) and 0 <= top_p <= 1):
+        raise ValueError(f"`top_p` must be a number in [0, 1] (1 or None: no nucleus filtering), got {top_p!r}")
+    if seed is not None and not _is_integer(seed):
+        raise ValueError(f"`seed` must be an integer or None, got {seed!r}")
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -384,6 +472,11 @@ class ComposedLM:
         """The size of the output distribution, V."""
         return self.base_model.get_output_embeddings().weight.shape[0]
 
+    @property
+    def context_length(self) -> int | None:
+        """The number of positions the base model was built for (`max_position_embeddings`), or None if unknown."""
+        return context_length(self.base_model)
+
     @torch.no_grad()
     def component_logprobs(
         self,
@@ -396,18 +489,18 @@ class ComposedLM:
         `position_ids` `(B, T)` defaults to each row's token count (left padding skipped), as in
         `generate`."""
         self._check_open()
-        input_ids, attention_mask = self._prepare(input_ids, attention_mask)
-        if position_ids is None:
-            position_ids = _position_ids(attention_mask)
-        elif position_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"`position_ids` must have the shape of `input_ids` {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}"
-            )
-        position_ids = position_ids.to(self.device)
+        input_ids, attention_mask, position_ids = self._prepare(input_ids, attention_mask, position_ids)
+        self._check_context(position_ids, f"the input ({input_ids.shape[1]} tokens a row)")
         logits = self.backend.forward(input_ids, attention_mask, position_ids)  # (k+1, B, T, V)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if torch.isnan(logprobs).any():
-            raise ValueError("a component produced NaN logits; check the model weights and dtype")
+        invalid = torch.isnan(logprobs)
+        if invalid.any():
+            component, row, position = invalid.nonzero()[0].tolist()[:3]
+            name = ["base", *self.expert_names][component]
+            raise ValueError(
+                f"component {name!r} produced NaN log-probs at row {row}, position {position} (NaN or +inf "
+                "logits); check its weights and dtype"
+            )
         return logprobs
 
     @torch.no_grad()
@@ -473,10 +566,9 @@ class ComposedLM:
         the position of each generated token.
         """
         self._check_open()
-        if max_new_tokens < 1:
-            raise ValueError(f"`max_new_tokens` must be >= 1, got {max_new_tokens}")
+        _check_decoding(max_new_tokens, do_sample, temperature, top_k, top_p, seed)
         stop_criteria = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer)
-        input_ids, attention_mask = self._prepare(input_ids, attention_mask)
+        input_ids, attention_mask, position_ids = self._prepare(input_ids, attention_mask, position_ids)
         _check_left_padded(attention_mask)
         eos_ids, pad_id = self._special_ids(eos_token_id, pad_token_id)
         warpers = _warpers(do_sample, temperature, top_k, top_p)
@@ -491,21 +583,19 @@ class ComposedLM:
         sequences[:, :prompt_length] = input_ids
         full_mask = torch.ones((batch, total), dtype=attention_mask.dtype, device=self.device)
         full_mask[:, :prompt_length] = attention_mask
-        if position_ids is None:
-            position_ids = _position_ids(attention_mask)  # (B, T)
-        elif position_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"`position_ids` must have the shape of `input_ids` {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}"
-            )
-        position_ids = position_ids.to(self.device)
         if generated_position_ids is None:
             generated_position_ids = position_ids[:, -1:] + 1 + torch.arange(max_new_tokens, device=self.device)
-        elif generated_position_ids.shape != (batch_size := input_ids.shape[0], max_new_tokens):
+        generated_position_ids = as_token_ids(generated_position_ids, "generated_position_ids")
+        if generated_position_ids.shape != (batch, max_new_tokens):
             raise ValueError(
-                f"`generated_position_ids` must be (batch, max_new_tokens) = ({batch_size}, {max_new_tokens}), "
+                f"`generated_position_ids` must be (batch, max_new_tokens) = ({batch}, {max_new_tokens}), "
                 f"got {tuple(generated_position_ids.shape)}"
             )
         generated_position_ids = generated_position_ids.to(self.device)  # (B, max_new_tokens)
+        self._check_context(
+            torch.cat([position_ids, generated_position_ids], dim=1),
+            f"the prompt ({prompt_length} tokens a row) plus `max_new_tokens`={max_new_tokens}",
+        )
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
         can_finish = eos_ids is not None or stop_criteria is not None
         # Greedy steps are checked for NaN on the device and the flag is read once at the end, so the
@@ -552,18 +642,36 @@ class ComposedLM:
 
     # ------------------------------------------------------------------ helpers
 
-    def _prepare(self, input_ids, attention_mask):
-        if input_ids.dim() != 2:
-            raise ValueError(f"`input_ids` must be (batch, seq), got shape {tuple(input_ids.shape)}")
-        input_ids = input_ids.to(self.device)
+    def _prepare(self, input_ids, attention_mask, position_ids):
+        """Check and move the inputs; default positions skip left padding. Returns all three `(B, T)`."""
+        input_ids = as_token_ids(input_ids).to(self.device)
+        vocabulary = self.vocab_size
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocabulary:
+            raise ValueError(
+                f"`input_ids` must be token ids in [0, {vocabulary}) (the model's vocabulary), got {low if low < 0 else high}"
+            )
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
-        elif attention_mask.shape != input_ids.shape:
+        attention_mask = as_mask(attention_mask, input_ids.shape).to(self.device)
+        if position_ids is None:
+            position_ids = _position_ids(attention_mask)  # (B, T)
+        position_ids = as_token_ids(position_ids, "position_ids")
+        if position_ids.shape != input_ids.shape:
             raise ValueError(
-                f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}, "
-                f"got {tuple(attention_mask.shape)}"
+                f"`position_ids` must have the shape of `input_ids` {tuple(input_ids.shape)}, got {tuple(position_ids.shape)}"
             )
-        return input_ids, attention_mask.to(self.device).long()
+        return input_ids, attention_mask, position_ids.to(self.device)
+
+    def _check_context(self, positions: torch.Tensor, what: str) -> None:
+        """Refuse positions beyond the model's context: past it a model fails or silently degrades."""
+        limit = self.context_length
+        needed = int(positions.max()) + 1
+        if limit is not None and needed > limit:
+            raise ValueError(
+                f"{what} needs {needed} positions, beyond the model's context of {limit} (`max_position_embeddings`); "
+                "shorten it"
+            )
 
     def _special_ids(self, eos_token_id, pad_token_id):
         config = self.generation_config
@@ -571,13 +679,27 @@ class ComposedLM:
             eos_token_id = config.eos_token_id
         if pad_token_id is None and config is not None:
             pad_token_id = config.pad_token_id
+        vocabulary = self.vocab_size
         eos_ids = None
         if eos_token_id is not None:
-            eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+            eos_list = [eos_token_id] if _is_integer(eos_token_id) else eos_token_id
+            if (
+                isinstance(eos_list, (str, bytes)) or not isinstance(eos_list, Sequence)
+                or not all(_is_integer(i) and 0 <= i < vocabulary for i in eos_list)
+            ):
+                raise ValueError(
+                    f"`eos_token_id` (given, or the base model's generation config's) must be a token id in "
+                    f"[0, {vocabulary}) or a list of them ([] for no EOS stopping), got {eos_token_id!r}"
+                )
             if eos_list:  # an explicit [] means: no EOS stopping
-                eos_ids = torch.tensor(eos_list, device=self.device)
+                eos_ids = torch.tensor(list(eos_list), device=self.device)
                 if pad_token_id is None:
                     pad_token_id = eos_list[0]
+        if pad_token_id is not None and not (_is_integer(pad_token_id) and 0 <= pad_token_id < vocabulary):
+            raise ValueError(
+                f"`pad_token_id` (given, or the base model's generation config's) must be a token id in "
+                f"[0, {vocabulary}), got {pad_token_id!r}"
+            )
         return eos_ids, (0 if pad_token_id is None else int(pad_token_id))
 
 
@@ -649,7 +771,7 @@ def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:
     if not do_sample:
         return warpers
     if temperature is not None and temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(temperature))
+        warpers.append(TemperatureLogitsWarper(float(temperature)))
     if top_k is not None and top_k > 0:
         warpers.append(TopKLogitsWarper(top_k))
     if top_p is not None and top_p < 1.0:
@@ -674,12 +796,8 @@ def _check_names(names, num_experts: int) -> list[str]:
 
 
 def _check_weights(weights, num_experts: int) -> list[float] | None:
-    if weights is None:
-        return None
-    weights = [float(w) for w in weights]
-    if len(weights) != num_experts:
-        raise ValueError(f"`weights` must hold one weight per expert ({num_experts}), got {len(weights)}")
-    return weights
+    """One finite float per expert (`composition.rule.check_weights`)."""
+    return check_weights(weights, num_experts)
 
 
 def _check_tokenizers(tokenizers, n_components: int):

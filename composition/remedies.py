@@ -18,6 +18,7 @@ through unstable end-of-sequence prediction. Three remedies, applied in this ord
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -26,7 +27,19 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from composition.io import validation_message
-from composition.rule import compose_logprobs
+from composition.rule import check_scores, check_weights, compose_logprobs
+
+
+def _check_threshold(value, name: str) -> None:
+    """A KL threshold in nats: a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"`{name}` must be >= 0 and finite (nats of KL), got {value!r}")
+
+
+def _check_share(value, name: str) -> None:
+    """A probability share in (0, 1]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise ValueError(f"`{name}` must be in (0, 1], got {value!r}")
 
 
 def kl_to_base(components: torch.Tensor) -> torch.Tensor:
@@ -50,8 +63,7 @@ class ActivityGate:
     threshold: float = 0.1
 
     def __post_init__(self):
-        if not self.threshold >= 0:
-            raise ValueError(f"`threshold` must be >= 0, got {self.threshold}")
+        _check_threshold(self.threshold, "threshold")
 
     def active(self, components: torch.Tensor) -> torch.Tensor:
         """`(k, ...)` bool: which experts are active at each position."""
@@ -68,10 +80,8 @@ class PlausibilityFilter:
     def __post_init__(self):
         if self.alpha is None and self.top_p is None:
             raise ValueError("`PlausibilityFilter` needs `alpha` or `top_p`, got neither")
-        if self.alpha is not None and not 0 < self.alpha <= 1:
-            raise ValueError(f"`alpha` must be in (0, 1], got {self.alpha}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"`top_p` must be in (0, 1], got {self.top_p}")
+        _check_share(self.alpha, "alpha")
+        _check_share(self.top_p, "top_p")
 
     def allowed(self, components: torch.Tensor) -> torch.Tensor:
         """`(..., V)` bool: the union over components of their plausible sets."""
@@ -98,6 +108,18 @@ class TerminationRule:
     def __post_init__(self):
         if self.source not in ("base", "active"):
             raise ValueError(f"`source` must be 'base' or 'active', got {self.source!r}")
+        _check_threshold(self.threshold, "threshold")
+        if not self.eos_ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.eos_ids):
+            raise ValueError(f"`eos_token_id` must be a token id >= 0 or a non-empty list of them, got {self.eos_token_id!r}")
+
+    @property
+    def eos_ids(self) -> list:
+        """`eos_token_id` as a list (empty if it is neither an id nor a list of them)."""
+        if isinstance(self.eos_token_id, int):
+            return [self.eos_token_id]
+        if isinstance(self.eos_token_id, (str, bytes)) or not isinstance(self.eos_token_id, Sequence):
+            return []
+        return list(self.eos_token_id)
 
     def eos_logprob(self, components: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
         """`(...,)` log-prob that EOS gets."""
@@ -119,8 +141,17 @@ def compose_with_remedies(
     """Compose `(k+1, ..., V)` component log-probs (base first) with the given remedies.
 
     Without remedies this is exactly `compose_logprobs(components[0], components[1:], weights)`.
-    Returns `(..., V)` float32 log-probs.
+    Returns `(..., V)` float32 log-probs. `weights` must be finite; with `validate`, `components`
+    must hold no NaN or +inf (checked before they are normalised, so the error names the input).
     """
+    if not isinstance(components, torch.Tensor) or components.dim() < 2:
+        raise ValueError(
+            "`components` must be a (k+1, ..., V) tensor of logits or log-probs, base first, got "
+            + (f"shape {tuple(components.shape)}" if isinstance(components, torch.Tensor) else type(components).__name__)
+        )
+    weights = check_weights(weights, components.shape[0] - 1)
+    if validate:
+        check_scores(components, "`components` (index 0 is the base, then the experts)")
     gates = [r for r in remedies if isinstance(r, ActivityGate)]
     filters = [r for r in remedies if isinstance(r, PlausibilityFilter)]
     terminations = [r for r in remedies if isinstance(r, TerminationRule)]
@@ -151,6 +182,11 @@ def compose_with_remedies(
 
     for termination in terminations:
         eos = torch.as_tensor(termination.eos_token_id, device=components.device).reshape(-1)
+        if max(termination.eos_ids) >= components.shape[-1]:  # on the host: no device sync per step
+            raise ValueError(
+                f"`TerminationRule.eos_token_id` must be below the vocabulary size {components.shape[-1]}, "
+                f"got {termination.eos_token_id!r}"
+            )
         target = termination.eos_logprob(components, eos)  # (...,)
         is_eos = torch.zeros(components.shape[-1], dtype=torch.bool, device=components.device)
         is_eos[eos] = True
@@ -178,7 +214,7 @@ class RemedySettings(BaseModel):
       `termination_threshold` as the activity threshold of "active").
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     gate: float | None = Field(None, ge=0)
     plausibility_alpha: float | None = Field(None, gt=0, le=1)

@@ -7,6 +7,7 @@ With every w_i = 1 this is the paper's product of experts p_b · Π_i p_i / p_b.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -33,8 +34,9 @@ def compose_logprobs(
             tensor of shape `(k,)` or `(k, ...)` broadcastable to `base.shape[:-1]`, e.g. per-position
             weights `(k, B, T)` for gating.
         floor: the finite value that -inf log-probs are clamped to where their exponent is ≤ 0.
-        validate: check for NaN and all-(-inf) rows (each check reads a flag back from the device).
-            A decoding loop may pass False and check the output for NaN itself, once.
+        validate: check the inputs for NaN and +inf and for all-(-inf) rows, and tensor `weights`
+            for non-finite values (each check reads a flag back from the device). A decoding loop
+            may pass False and check the output for NaN itself, once.
 
     Returns:
         `(..., V)` float32 log-probs of the composed distribution, normalised over V.
@@ -53,12 +55,20 @@ def compose_logprobs(
       result is exactly that expert, -inf entries included.
 
     Raises:
-        ValueError: zero experts; a shape or vocabulary mismatch; `weights` of the wrong length;
-            NaN in any input; or a position where every token is ruled out.
+        TypeError: `base` or an expert that is not a tensor.
+        ValueError: zero experts; a shape or vocabulary mismatch; `weights` of the wrong length or
+            shape, or not finite; a `floor` that is not finite and negative; NaN or +inf in any
+            input; or a position where every token is ruled out.
     """
+    _check_tensor(base, "base")
+    if isinstance(experts, torch.Tensor) or not isinstance(experts, Sequence):
+        raise TypeError(f"`experts` must be a list of tensors, got {type(experts).__name__}")
     if len(experts) == 0:
         raise ValueError("`experts` must hold at least one tensor, got an empty sequence")
+    if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor < 0):
+        raise ValueError(f"`floor` must be a finite negative number (a log-prob), got {floor!r}")
     for index, expert in enumerate(experts):
+        _check_tensor(expert, f"experts[{index}]")
         if expert.shape[-1] != base.shape[-1]:
             raise ValueError(
                 f"vocabulary size mismatch: `experts[{index}]` has V={expert.shape[-1]}, "
@@ -70,13 +80,12 @@ def compose_logprobs(
                 f"`base` has {tuple(base.shape)}; all components must have the same shape"
             )
     for name, tensor in [("base", base)] + [(f"experts[{i}]", e) for i, e in enumerate(experts)] if validate else []:
-        if torch.isnan(tensor).any():
-            raise ValueError(f"`{name}` contains NaN; logits and log-probs must be finite or -inf")
+        check_scores(tensor, f"`{name}`")
         if torch.isneginf(tensor).all(dim=-1).any():
             raise ValueError(f"`{name}` rules out every token (-inf everywhere) at one or more positions")
 
     k = len(experts)
-    weight_tensor = _weights_tensor(weights, k, base)  # (k, ...) broadcastable to base[..., :1]
+    weight_tensor = _weights_tensor(weights, k, base, validate)  # (k, ...) broadcastable to base[..., :1]
 
     base_logprobs = torch.log_softmax(base.float(), dim=-1)  # (..., V)
     total = _weighted(base_logprobs, 1.0 - weight_tensor.sum(0), floor)
@@ -92,16 +101,62 @@ def compose_logprobs(
     return torch.log_softmax(total, dim=-1)
 
 
-def _weights_tensor(weights, k: int, base: torch.Tensor) -> torch.Tensor:
-    """Return weights as a float32 tensor of shape (k, ..., 1) that broadcasts against base."""
+def check_weights(weights, num_experts: int) -> list[float] | None:
+    """`weights` as a list of `num_experts` finite floats (None stays None); errors name the index and value."""
+    if weights is None:
+        return None
+    if isinstance(weights, (str, bytes)) or not isinstance(weights, (Sequence, torch.Tensor)):
+        raise TypeError(f"`weights` must be a list of {num_experts} numbers, got {type(weights).__name__}")
+    values = []
+    for index, weight in enumerate(weights):
+        try:
+            value = float(weight)
+        except (TypeError, ValueError):
+            raise TypeError(f"`weights[{index}]` must be a number, got {weight!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"`weights[{index}]` must be a finite number, got {value}")
+        values.append(value)
+    if len(values) != num_experts:
+        raise ValueError(f"`weights` must hold one weight per expert ({num_experts}), got {len(values)}")
+    return values
+
+
+def check_scores(tensor: torch.Tensor, name: str) -> None:
+    """Refuse NaN and +inf in logits or log-probs (-inf, a ruled-out token, is allowed); name the first index."""
+    invalid = torch.isnan(tensor) | torch.isposinf(tensor)
+    if invalid.any():
+        where = tuple(invalid.nonzero()[0].tolist())
+        value = "NaN" if math.isnan(tensor[where].item()) else "+inf"
+        raise ValueError(f"{name} contains {value} at index {where}; logits and log-probs must be finite or -inf")
+
+
+def _check_tensor(value, name: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor of logits or log-probs, got {type(value).__name__}")
+
+
+def _weights_tensor(weights, k: int, base: torch.Tensor, validate: bool = True) -> torch.Tensor:
+    """Return weights as a float32 tensor of shape (k, ..., 1) that broadcasts against base.
+
+    A list is checked on the host; a tensor's values only with `validate` (it costs a device sync)."""
     if weights is None:
         return torch.ones(k, *([1] * base.dim()), device=base.device)
+    if not isinstance(weights, torch.Tensor):
+        weights = check_weights(weights, k)
     weight_tensor = torch.as_tensor(weights, dtype=torch.float32, device=base.device)
     if weight_tensor.dim() == 0 or weight_tensor.shape[0] != k:
         got = "a scalar" if weight_tensor.dim() == 0 else f"length {weight_tensor.shape[0]}"
         raise ValueError(f"`weights` must hold one weight per expert ({k}), got {got}")
-    if torch.isnan(weight_tensor).any():
-        raise ValueError("`weights` contains NaN")
+    # Per-position weights (k, *lead) align with base's leading dims: each equal or 1.
+    lead, positions = tuple(weight_tensor.shape[1:]), tuple(base.shape[:-1])
+    if len(lead) > len(positions) or any(w not in (1, p) for w, p in zip(lead, positions)):
+        raise ValueError(
+            f"`weights` of shape {tuple(weight_tensor.shape)} must be (k,) or (k, ...) matching the leading dims of "
+            f"`base` {positions} (each the same size or 1), e.g. ({k}, {', '.join(map(str, positions))})"
+        )
+    if validate and not torch.isfinite(weight_tensor).all():
+        where = tuple((~torch.isfinite(weight_tensor)).nonzero()[0].tolist())
+        raise ValueError(f"`weights` must be finite, got {weight_tensor[where].item()} at index {where}")
     # (k, *lead) -> (k, *lead, 1, ..., 1) so that it broadcasts over (..., V).
     return weight_tensor.reshape(*weight_tensor.shape, *([1] * (base.dim() + 1 - weight_tensor.dim())))
 

@@ -254,10 +254,40 @@ def test_nan_logits_raise(tiny_config):
     with torch.no_grad():
         broken.lm_head.weight[3, 0] = float("nan")
     composed = ComposedLM(random_llama(tiny_config, seed=0), [broken])
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError, match=r"component 'expert_0' produced NaN log-probs at row 0, position 0"):
         composed.logprobs(torch.tensor([[4, 5, 6]]))
     with pytest.raises(ValueError, match="NaN"):
         composed.generate(torch.tensor([[4, 5, 6]]), max_new_tokens=2)
+
+
+def test_lists_are_taken_as_tensors(composed_full):
+    ids, mask = left_padded_batch([3, 5])
+    assert torch.equal(composed_full.logprobs(ids.tolist(), mask.tolist()), composed_full.logprobs(ids, mask))
+    assert torch.equal(
+        composed_full.generate(ids.tolist(), mask.tolist(), max_new_tokens=3), composed_full.generate(ids, mask, max_new_tokens=3)
+    )
+
+
+def test_context_length_is_a_limit_not_a_truncation(composed_full):
+    limit = composed_full.context_length  # 256: max_position_embeddings of the tiny config
+    ids, mask = left_padded_batch([limit - 2, 4])
+    composed_full.generate(ids, mask, max_new_tokens=2)  # the longest row plus 2 new tokens: exactly the limit
+    with pytest.raises(ValueError, match=rf"needs {limit + 1} positions, beyond the model's context of {limit}"):
+        composed_full.generate(ids, mask, max_new_tokens=3)
+    composed_full.logprobs(torch.full((1, limit), 5))
+    with pytest.raises(ValueError, match=rf"needs {limit + 1} positions"):
+        composed_full.logprobs(torch.full((1, limit + 1), 5))
+
+
+def test_sampling_settings_follow_transformers_warpers(composed_full):
+    ids = torch.tensor([[4, 5, 6]])
+    # Accepted as transformers' generate accepts them: top_k 0 and top_p 1 switch the filter off,
+    # temperature 0 with greedy decoding means greedy.
+    greedy = composed_full.generate(ids, max_new_tokens=3, eos_token_id=[])
+    assert torch.equal(composed_full.generate(ids, max_new_tokens=3, eos_token_id=[], temperature=0.0, top_k=0, top_p=1.0), greedy)
+    composed_full.generate(ids, max_new_tokens=2, do_sample=True, temperature=2, top_k=1, top_p=0.0, seed=0)
+    with pytest.raises(ValueError, match=r"`temperature` must be a finite number > 0, got 0.0 \(for greedy"):
+        composed_full.generate(ids, max_new_tokens=2, do_sample=True, temperature=0.0)
 
 
 # ----------------------------------------------------------------------------- from_pretrained

@@ -162,7 +162,7 @@ def test_experts_with_another_tokenizer_are_refused_naming_both(setup):
         ("remedies=gate", "`remedies` must be `field:value` pairs"),
         ("remedies=gate:-1", "gate: Input should be greater than or equal to 0"),
         ("dtype=float8", "`dtype` must be one of"),
-        ("chunk_megabytes=0", "`chunk_megabytes` must be >= 1"),
+        ("chunk_megabytes=0", r"`chunk_megabytes` must be a positive integer \(it must be >= 1\), got 0"),
     ],
 )
 def test_bad_model_args_are_clear_errors_before_any_model_loads(setup, model_args, message):
