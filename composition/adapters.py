@@ -11,22 +11,40 @@ import torch
 from peft import PeftConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.utils import PeftType, load_peft_weights
 
+from composition.sources import check_adapter_source
+
 _NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 # "base_model.model.<module path>.lora_A.weight" (adapter_name stripped on save).
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
 
-def read_adapter(source) -> tuple[PeftConfig, dict[str, torch.Tensor]]:
-    """Return (config, state dict) of an adapter given as a folder, a hub id or a PeftModel."""
+def read_adapter(source, argument: str = "adapter") -> tuple[PeftConfig, dict[str, torch.Tensor]]:
+    """Return (config, state dict) of an adapter given as a folder, a hub id or a PeftModel.
+
+    A folder or hub id is checked first (`composition.sources.check_adapter_source`): a missing
+    folder, a full checkpoint or a hub id offline mode cannot load is named with `argument`.
+    """
     if isinstance(source, PeftModel):
         name = source.active_adapter
         return source.peft_config[name], get_peft_model_state_dict(source, adapter_name=name)
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(
-            f"an adapter must be a folder, a hub id or a PeftModel, got {type(source).__name__}"
+            f"`{argument}` must be a folder, a hub id or a PeftModel, got {type(source).__name__}"
         )
-    config = PeftConfig.from_pretrained(str(source))
-    return config, load_peft_weights(str(source), device="cpu")
+    source = check_adapter_source(source, argument)
+    config = PeftConfig.from_pretrained(source)
+    return config, load_peft_weights(source, device="cpu")
+
+
+def merged_adapter_model(base_model: torch.nn.Module, source: str | os.PathLike, argument: str = "adapter") -> torch.nn.Module:
+    """`base_model` (changed in place) with the adapter at `source` merged in (`merge_and_unload`).
+
+    The adapter is checked against the base first (`check_adapter_fits`): one made for another
+    base is named with the module and both shapes, not with peft's state-dict dump.
+    """
+    config, state_dict = read_adapter(source, argument)
+    check_adapter_fits(str(source), config, state_dict, base_model)
+    return PeftModel.from_pretrained(base_model, str(source)).merge_and_unload()
 
 
 def check_adapter_fits(name: str, config: PeftConfig, state_dict: Mapping[str, torch.Tensor], base_model) -> None:
@@ -107,7 +125,7 @@ def load_adapters_on_base(base_model, adapters: Mapping[str, object]) -> tuple[P
     peft_model = None
     try:
         for name in names:
-            config, state_dict = read_adapter(adapters[name])
+            config, state_dict = read_adapter(adapters[name], f"adapters[{name!r}]")
             check_adapter_fits(name, config, state_dict, base_model)
             config = copy.deepcopy(config)
             config.inference_mode = True

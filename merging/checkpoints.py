@@ -3,26 +3,43 @@
 On disk the definitions are mergekit's (what `merge(..., **MERGEKIT_MODE)` computes in memory):
 TIES trims per tensor and applies the weights before the sign election; DARE rescales to the L1
 norm; dare_ties does not normalise.
+
+Before mergekit runs, everything it would accept silently or report misleadingly is checked: a
+mergekit YAML's parameters by the same rules as our config (`check_mergekit_parameters`), each
+model folder (`composition.sources`: missing, an adapter, no config.json), and the local
+checkpoints' tensors (`check_checkpoints`: shapes, float / integer kinds, NaN and inf). A merged
+model that comes out non-finite is not written.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Literal
 
 import yaml
+from safetensors import safe_open
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from composition.io import atomic_output_dir, read_yaml_mapping, refuse_existing, refuse_output_over_inputs
+from composition.sources import check_adapter_source, check_model_source, is_local
+from merging.io import SafetensorsCheckpoint
 from merging.merge import MERGEKIT_MODE
-from merging.registry import mergekit_methods, validate_merge_params
+from merging.registry import METHODS, mergekit_methods, validate_merge_params
 from merging.settings import MergeSettings, readable_error
+from merging.state_dicts import check_finite
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # On disk the definitions are mergekit's: these keywords are fixed to its values.
 _FIXED_ON_DISK = {**MERGEKIT_MODE, "sign_election": "mass"}
+# mergekit's parameter names -> ours (`merging.settings`); the others mergekit checks itself.
+_OUR_NAMES = {"weight": "weights", "lambda": "lam", "density": "density", "gamma": "gamma", "normalize": "normalize"}
+_ADAPTER_HINT = (
+    "mergekit merges full checkpoints: give it on its base as `BASE+ADAPTER` (mergekit's syntax), or save "
+    "base + ΔW first (`TaskVector.from_lora(base, adapter).apply_to(base)`)"
+)
 
 
 class ExpertCheckpoint(BaseModel):
@@ -135,6 +152,7 @@ def load_merge_config(config) -> tuple[dict, CheckpointMergeConfig | None]:
             f"(with `method`), or a CheckpointMergeConfig; got {type(config).__name__}"
         )
     if "merge_method" in config:
+        check_mergekit_parameters(config)
         return dict(config), None
     if "method" in config:
         try:
@@ -151,6 +169,7 @@ def merge_checkpoints(
     overwrite: bool = False,
     *,
     options: Mapping | None = None,
+    allow_nonfinite: bool = False,
 ) -> Path:
     """Run mergekit's `run_merge` on local checkpoints and write the result atomically to `out_dir`.
 
@@ -158,6 +177,12 @@ def merge_checkpoints(
     (or its dict / YAML form), which is translated. `options` are mergekit `MergeOptions` fields
     (e.g. {"device": "cuda"}); by default the tokenizer is copied only if the base (or first)
     model folder has one, and our config's `seed` becomes `random_seed`.
+
+    Checked before mergekit runs (ValueError naming the model and the tensor): every model folder
+    exists and is a full checkpoint (a LoRA adapter is named as one), and the local safetensors
+    checkpoints agree on every shared tensor's shape (a vocabulary mismatch names both sizes)
+    and kind, and, unless `allow_nonfinite`, hold no NaN or inf (this reads every tensor once).
+    A merged model with NaN or inf is then not written either.
 
     The merge runs into a temporary folder next to `out_dir`, which is renamed on success; a
     failure leaves nothing at `out_dir`. The output holds mergekit's files (config.json,
@@ -169,13 +194,21 @@ def merge_checkpoints(
     from mergekit.options import MergeOptions
 
     mergekit_dict, ours = load_merge_config(config)
-    merge_configuration = MergeConfiguration.model_validate(mergekit_dict)
-    for reference in merge_configuration.referenced_models():
-        path = str(reference.model.path)
-        # mergekit takes a missing local folder for a hub id; say what is wrong instead.
-        if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
-            raise ValueError(f"model folder {path!r} in `config` does not exist")
-    sources = [str(reference.model.path) for reference in merge_configuration.referenced_models()]
+    try:
+        merge_configuration = MergeConfiguration.model_validate(mergekit_dict)
+    except (ValidationError, RuntimeError) as error:  # mergekit's own validators raise RuntimeError
+        raise ValueError(f"the merge config is not valid for mergekit: {' '.join(str(error).split())}") from None
+    models = {}
+    for label, reference in _labelled_models(merge_configuration):
+        # mergekit takes a missing local folder for a hub id, and an adapter for a broken model; say what is wrong.
+        models[label] = check_model_source(str(reference.model.path), label, adapter_hint=_ADAPTER_HINT)
+        if reference.lora is not None:
+            check_adapter_source(str(reference.lora.path), f"{label} (its LoRA)")
+    vocabulary_may_differ = bool(mergekit_dict.get("tokenizer_source") or mergekit_dict.get("tokenizer"))
+    check_checkpoints(
+        {label: path for label, path in models.items() if is_local(path)}, allow_nonfinite, vocabulary_may_differ
+    )
+    sources = list(models.values())
     config_file = [config] if isinstance(config, (str, os.PathLike)) else []
     refuse_output_over_inputs(out_dir, [*sources, *config_file])
     refuse_existing(out_dir, overwrite)
@@ -185,6 +218,8 @@ def merge_checkpoints(
     merge_options = MergeOptions(**{**defaults, **dict(options or {})})
     with atomic_output_dir(out_dir, overwrite) as folder:
         run_merge(merge_configuration, str(folder), merge_options, config_source=yaml.safe_dump(mergekit_dict, sort_keys=False))
+        if not allow_nonfinite:
+            _check_merged_output(folder)
         if ours is not None:
             (folder / "mergecompose_config.yaml").write_text(yaml.safe_dump(ours.model_dump(), sort_keys=False))
     return Path(out_dir)
@@ -198,3 +233,176 @@ def _has_tokenizer(mergekit_dict: Mapping) -> bool:
     if not isinstance(source, str) or not Path(source).is_dir():
         return True
     return any((Path(source) / name).exists() for name in _TOKENIZER_FILES)
+
+
+# ---- checks before mergekit runs --------------------------------------------------------------
+
+
+def check_mergekit_parameters(config: Mapping) -> None:
+    """Check a mergekit-schema config's method and every parameter value by our rules, before mergekit runs.
+
+    mergekit passes density −0.5 (the output is the base), density 2.0, λ NaN (every weight NaN)
+    and misspelt parameter names on without a word. Here: the method must be one mergekit runs;
+    each parameter name one the method takes (mergekit's own list); every number finite; and for
+    a method we define too (`merging.registry.mergekit_methods()`), every value of `weight`,
+    `lambda`, `density`, `gamma` and `normalize` (each point of a gradient or filter list, at the
+    top level, per model and per slice) valid for our settings model under mergekit's definitions.
+    """
+    from mergekit.merge_methods import registry as mergekit_registry
+
+    method = config.get("merge_method")
+    known = {entry.spec.name: entry.spec for entry in mergekit_registry.registered_methods()}
+    if method not in known:
+        raise ValueError(f"`merge_method` {method!r} is not a method mergekit runs; valid: {', '.join(sorted(known))}")
+    accepted = [parameter.name for parameter in known[method].parameters]
+    ours = method in mergekit_methods()
+    for where, parameters in _parameter_blocks(config):
+        if not isinstance(parameters, Mapping):
+            raise ValueError(f"`{where}` must be a mapping of parameter names to values, got {parameters!r}")
+        for name, setting in parameters.items():
+            if name not in accepted:
+                raise ValueError(f"`{where}.{name}` is not a parameter of mergekit's `{method}`; valid: {', '.join(accepted)}")
+            for value in _setting_values(setting):
+                _check_parameter_value(method, f"{where}.{name}", name, value, ours)
+
+
+def _parameter_blocks(config: Mapping) -> Iterator[tuple[str, object]]:
+    """(where, parameters) of every `parameters:` block: top level, per model, per slice and slice source, per module."""
+    if config.get("parameters") is not None:
+        yield "parameters", config["parameters"]
+    yield from _models_and_slices(config, "")
+    for module_name, module in (config.get("modules") or {}).items():
+        if isinstance(module, Mapping):
+            if module.get("parameters") is not None:
+                yield f"modules.{module_name}.parameters", module["parameters"]
+            yield from _models_and_slices(module, f"modules.{module_name}.")
+
+
+def _models_and_slices(block: Mapping, prefix: str) -> Iterator[tuple[str, object]]:
+    for index, model in enumerate(block.get("models") or []):
+        if isinstance(model, Mapping) and model.get("parameters") is not None:
+            yield f"{prefix}models[{index}].parameters", model["parameters"]
+    for index, piece in enumerate(block.get("slices") or []):
+        if not isinstance(piece, Mapping):
+            continue
+        if piece.get("parameters") is not None:
+            yield f"{prefix}slices[{index}].parameters", piece["parameters"]
+        for source_index, source in enumerate(piece.get("sources") or []):
+            if isinstance(source, Mapping) and source.get("parameters") is not None:
+                yield f"{prefix}slices[{index}].sources[{source_index}].parameters", source["parameters"]
+
+
+def _setting_values(setting) -> list:
+    """The scalars of a mergekit parameter setting: a value, a gradient list, or filter entries `{filter, value}`."""
+    if isinstance(setting, Mapping):
+        return _setting_values(setting.get("value"))
+    if isinstance(setting, list):
+        return [value for item in setting for value in _setting_values(item)]
+    return [setting]
+
+
+def _as_number(value):
+    """YAML reads `1e-3` as a string; mergekit takes it as a number, and so do we."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _check_parameter_value(method: str, where: str, name: str, value, ours: bool) -> None:
+    value = _as_number(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"`{where}` must be a finite number, got {value!r}")
+    if not ours or name not in _OUR_NAMES:
+        return
+    ours_name = _OUR_NAMES[name]
+    # mergekit's defaults for what a single value does not give: density 1 (nothing dropped).
+    params = dict(MERGEKIT_MODE)
+    if "density" in METHODS[method].settings.model_fields:
+        params["density"] = 1.0
+    params[ours_name] = [value] if ours_name == "weights" else value
+    try:
+        validate_merge_params(method, params)
+    except ValueError as error:
+        reason = str(error).replace(f"`{ours_name}[0]`", f"`{name}`").replace(f"`{ours_name}`", f"`{name}`")
+        raise ValueError(f"`{where}` {reason.removeprefix(f'`{name}` ')}") from None
+
+
+def _labelled_models(configuration) -> list[tuple[str, object]]:
+    """(where in the config, mergekit ModelReference) of every model a mergekit configuration reads."""
+    labelled = []
+    if configuration.base_model is not None:
+        labelled.append(("base_model", configuration.base_model))
+    blocks = [("", configuration)] + [(f"modules.{name}.", module) for name, module in (configuration.modules or {}).items()]
+    for prefix, block in blocks:
+        for index, model in enumerate(block.models or []):
+            labelled.append((f"{prefix}models[{index}].model", model.model))
+        for index, piece in enumerate(block.slices or []):
+            for source_index, source in enumerate(piece.sources):
+                labelled.append((f"{prefix}slices[{index}].sources[{source_index}].model", source.model))
+    seen, unique = set(), []
+    for label, reference in labelled:
+        if reference not in seen:
+            seen.add(reference)
+            unique.append((label, reference))
+    return unique
+
+
+def check_checkpoints(folders: Mapping[str, str], allow_nonfinite: bool = False, vocabulary_may_differ: bool = False) -> None:
+    """Compare local safetensors checkpoints (label -> folder) with the first one, tensor by tensor.
+
+    A tensor both hold must have the same shape (for the embeddings of a different vocabulary,
+    the error names both sizes, unless `vocabulary_may_differ`: mergekit's tokenizer merging) and
+    both be floating-point or both not; unless `allow_nonfinite`, no tensor may hold NaN or inf.
+    Folders without safetensors files are left to mergekit.
+    """
+    readable = {
+        label: folder for label, folder in folders.items()
+        if any(Path(folder).expanduser().glob("*.safetensors")) or (Path(folder).expanduser() / "model.safetensors.index.json").is_file()
+    }
+    checkpoints = {label: SafetensorsCheckpoint(folder, label) for label, folder in readable.items()}
+    if not checkpoints:
+        return
+    first_label, first = next(iter(checkpoints.items()))
+    for label, checkpoint in checkpoints.items():
+        for name in checkpoint.keys():
+            if label != first_label and name in first:
+                _check_pair(name, (first_label, readable[first_label], first), (label, readable[label], checkpoint), vocabulary_may_differ)
+            if not allow_nonfinite and checkpoint.is_floating_point(name):
+                check_finite(name, checkpoint.get(name), f"`{label}` {readable[label]!r}")
+
+
+def _check_pair(name: str, first: tuple, second: tuple, vocabulary_may_differ: bool) -> None:
+    (first_label, first_folder, first_checkpoint), (label, folder, checkpoint) = first, second
+    shapes = first_checkpoint.shape(name), checkpoint.shape(name)
+    if shapes[0] != shapes[1]:
+        embedding = any(part in name for part in ("embed", "lm_head", "wte"))
+        if embedding and len(shapes[0]) == 2 and shapes[0][1:] == shapes[1][1:]:
+            if vocabulary_may_differ:
+                return
+            raise ValueError(
+                f"vocabulary sizes differ: `{first_label}` {first_folder!r} has {shapes[0][0]} tokens and `{label}` "
+                f"{folder!r} has {shapes[1][0]} (tensor `{name}`); merge models that share one tokenizer, or set "
+                "mergekit's `tokenizer_source`"
+            )
+        raise ValueError(
+            f"shape mismatch for tensor `{name}`: `{first_label}` {first_folder!r} has {shapes[0]}, `{label}` {folder!r} "
+            f"has {shapes[1]}; the models have different architectures (e.g. hidden sizes) and cannot be merged"
+        )
+    if first_checkpoint.is_floating_point(name) != checkpoint.is_floating_point(name):
+        kinds = ["floating-point" if c.is_floating_point(name) else "integer" for c in (first_checkpoint, checkpoint)]
+        raise ValueError(
+            f"dtype mismatch for tensor `{name}`: `{first_label}` {first_folder!r} stores it as {kinds[0]}, `{label}` "
+            f"{folder!r} as {kinds[1]}; weights are merged only between floating-point tensors"
+        )
+
+
+def _check_merged_output(folder: Path) -> None:
+    """Refuse a merged model with NaN or inf (finite inputs: λ or the weights overflowed the dtype)."""
+    hint = "the inputs are finite, so the merge overflowed its dtype: lower `lambda` or the weights; nothing was written"
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                check_finite(name, handle.get_tensor(name), "the merged model", hint)

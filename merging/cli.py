@@ -11,8 +11,12 @@ from transformers import AutoModelForCausalLM
 
 from composition.cli_common import add_common_flags
 from composition.io import atomic_output_dir, markdown_table, refuse_existing
+from composition.sources import check_model_source, source_kind
 from merging.checkpoints import load_merge_config, merge_checkpoints
 from merging.task_vector import TaskVector
+
+
+_ALLOW_NONFINITE = "accept NaN or inf weights in the inputs (and in the result); by default they are refused, naming the tensor"
 
 
 def add_commands(subparsers) -> None:
@@ -23,6 +27,7 @@ def add_commands(subparsers) -> None:
     merge.add_argument("config", help="a mergekit YAML file (merge_method: ...) or ours (method: ...)")
     merge.add_argument("out_dir", nargs="?", metavar="DIR", help=argparse.SUPPRESS)  # the older form of --out
     add_common_flags(merge, out="output folder, written atomically")
+    merge.add_argument("--allow-nonfinite", action="store_true", help=_ALLOW_NONFINITE)
     merge.set_defaults(func=run_merge)
 
     task_vector = subparsers.add_parser(
@@ -31,6 +36,7 @@ def add_commands(subparsers) -> None:
     task_vector.add_argument("base", help="base checkpoint folder (safetensors)")
     task_vector.add_argument("finetuned", nargs="+", help="fine-tuned checkpoint folders or LoRA adapter folders")
     add_common_flags(task_vector, out="also write the figures to DIR/task_vectors.json")
+    task_vector.add_argument("--allow-nonfinite", action="store_true", help=_ALLOW_NONFINITE)
     task_vector.set_defaults(func=run_task_vector)
 
 
@@ -49,7 +55,9 @@ def merge_out_dir(args) -> str:
 def run_merge(args) -> int:
     out = merge_out_dir(args)
     mergekit_config, _ = load_merge_config(args.config)
-    out_dir = merge_checkpoints(args.config, out, overwrite=args.overwrite, options={"quiet": args.quiet})
+    out_dir = merge_checkpoints(
+        args.config, out, overwrite=args.overwrite, options={"quiet": args.quiet}, allow_nonfinite=args.allow_nonfinite
+    )
     print(f"mergekit `{mergekit_config['merge_method']}` merge written to {out_dir}")
     print(f"{'file':<32} {'bytes':>12}  contents")
     for path in sorted(out_dir.iterdir()):
@@ -67,15 +75,17 @@ def run_task_vector(args) -> int:
     if args.out is not None:
         refuse_existing(args.out, args.overwrite)  # before the work, not after
     labels = _labels(args.finetuned)
+    base = check_model_source(args.base, "base", adapter_hint="give the adapter's base as `base` and the adapter after it")
+    kinds = [source_kind(path, f"finetuned[{index}]") for index, path in enumerate(args.finetuned)]  # before any work
     task_vectors = {}
     base_model = None
-    for label, path in zip(labels, args.finetuned):
-        if (Path(path) / "adapter_config.json").exists():
+    for label, path, kind in zip(labels, args.finetuned, kinds):
+        if kind == "adapter":
             if base_model is None:
-                base_model = AutoModelForCausalLM.from_pretrained(args.base)
-            task_vectors[label] = TaskVector.from_lora(base_model, path)
+                base_model = AutoModelForCausalLM.from_pretrained(base)
+            task_vectors[label] = TaskVector.from_lora(base_model, path, allow_nonfinite=args.allow_nonfinite)
         else:
-            task_vectors[label] = TaskVector.from_checkpoints(args.base, path)
+            task_vectors[label] = TaskVector.from_checkpoints(base, path, allow_nonfinite=args.allow_nonfinite)
 
     norms = {label: task_vector.norm() for label, task_vector in task_vectors.items()}
     layer_norms = {label: task_vector.layer_norms() for label, task_vector in task_vectors.items()}

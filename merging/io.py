@@ -9,26 +9,30 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from composition.sources import check_model_source
+
 
 class SafetensorsCheckpoint:
     """Read the tensors of a checkpoint folder one at a time (single file or sharded index)."""
 
-    def __init__(self, folder: str | os.PathLike):
-        self.folder = Path(folder)
-        if not self.folder.is_dir():
-            raise ValueError(f"checkpoint folder {str(self.folder)!r} does not exist or is not a folder")
+    def __init__(self, folder: str | os.PathLike, argument: str = "checkpoint"):
+        self.folder = Path(folder).expanduser()
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
+        if not (index.is_file() or single.is_file()):
+            check_model_source(folder, argument)  # names a missing folder, an adapter folder, a folder without config.json
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             self._file_of = {name: self.folder / file for name, file in weight_map.items()}
         elif single.exists():
             with safe_open(str(single), framework="pt") as handle:
                 self._file_of = {name: single for name in handle.keys()}
+        elif not self.folder.is_dir():
+            raise ValueError(f"`{argument}` {str(folder)!r} is not a local folder; checkpoints are read from local safetensors folders")
         else:
             found = sorted(path.name for path in self.folder.iterdir())
             raise ValueError(
-                f"checkpoint folder {str(self.folder)!r} has no model.safetensors or "
+                f"`{argument}` {str(folder)!r} has no model.safetensors or "
                 f"model.safetensors.index.json (found {found}); only safetensors checkpoints are read"
             )
         self._handles: dict[Path, object] = {}
@@ -36,11 +40,18 @@ class SafetensorsCheckpoint:
     def keys(self) -> list[str]:
         return list(self._file_of)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
     def get(self, name: str) -> torch.Tensor:
         return self._handle(name).get_tensor(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def is_floating_point(self, name: str) -> bool:
+        """From the file's header (safetensors dtype codes: F16, BF16, F32, F64, F8_*), without reading the tensor."""
+        return self._handle(name).get_slice(name).get_dtype().startswith(("F", "BF"))
 
     def _handle(self, name: str):
         file = self._file_of[name]

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from composition.adapters import check_adapter_fits, read_adapter
 from composition.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
-from merging.state_dicts import check_same_shape, compute_dtype, state_dict_of
+from merging.state_dicts import check_finite_tensors, check_same_shape, compute_dtype, state_dict_of
 from merging.training import IGNORE_INDEX, Batch, OptimizerSettings, train_model
 
 
@@ -44,7 +44,7 @@ def _check_lora_config(config: PeftConfig, where: str) -> None:
         )
 
 
-def lora_delta_weights(base_model: torch.nn.Module, adapter) -> dict[str, torch.Tensor]:
+def lora_delta_weights(base_model: torch.nn.Module, adapter, *, allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
     """{base tensor name: ΔW} of a peft LoRA adapter, in float32 (float64 for a float64 base).
 
     ΔW = scaling · B @ A for each adapted module, computed by peft's `LoraLayer.get_delta_weight`,
@@ -54,16 +54,21 @@ def lora_delta_weights(base_model: torch.nn.Module, adapter) -> dict[str, torch.
     LoRA variants raise a ValueError, as do other wrappers (trainable tokens).
 
     `adapter` is a folder or hub id (loaded onto a deep copy of `base_model`, which is never
-    modified) or a PeftModel (its active adapter is read as is).
+    modified) or a PeftModel (its active adapter is read as is). An adapter made for another base
+    is refused naming the module and both shapes; NaN or inf adapter weights unless `allow_nonfinite`.
     """
     base_state = state_dict_of(base_model, "base_model")
     if isinstance(adapter, PeftModel):
         peft_model, name = adapter, adapter.active_adapter
         _check_lora_config(peft_model.peft_config[name], f"adapter `{name}`")
+        if not allow_nonfinite:
+            check_finite_tensors(read_adapter(adapter)[1], f"adapter `{name}`")
     elif isinstance(adapter, (str, os.PathLike)):
         config, adapter_state = read_adapter(str(adapter))
         _check_lora_config(config, f"adapter {str(adapter)!r}")
         check_adapter_fits(str(adapter), config, adapter_state, base_model)  # names the module and both shapes
+        if not allow_nonfinite:
+            check_finite_tensors(adapter_state, f"adapter {str(adapter)!r}")
         name = "default"
         peft_model = PeftModel.from_pretrained(copy.deepcopy(base_model), str(adapter), adapter_name=name)
     else:
@@ -122,6 +127,7 @@ def combine_lora_adapters(
     method: str = "cat",
     rank: int | None = None,
     overwrite: bool = False,
+    allow_nonfinite: bool = False,
 ) -> LoraCombination:
     """Combine LoRA adapters of one base into one adapter whose ΔW ≈ Σ_i w_i ΔW_i.
 
@@ -135,7 +141,8 @@ def combine_lora_adapters(
     peft 0.21's `add_weighted_adapter` copies `use_rslora` into the combined config, so with
     rsLoRA the combined adapter's scaling becomes √(new rank) instead of 1 (peft issue #3761, PR
     #3449); this function resets it to 1. Adapters with DoRA or `lora_bias` are refused (peft's
-    combination ignores both).
+    combination ignores both), as are adapters made for another base and, unless `allow_nonfinite`,
+    adapters with NaN or inf weights.
     """
     if method not in ("cat", "svd"):
         raise ValueError(
@@ -157,8 +164,11 @@ def combine_lora_adapters(
 
     peft_model = None
     for name in names:
-        config = PeftConfig.from_pretrained(str(adapters[name]))
+        config, adapter_state = read_adapter(adapters[name], f"adapters[{name!r}]")
         _check_lora_config(config, f"adapter `{name}`")
+        check_adapter_fits(name, config, adapter_state, base_model)
+        if not allow_nonfinite:
+            check_finite_tensors(adapter_state, f"adapter `{name}` ({str(adapters[name])!r})")
         if getattr(config, "lora_bias", False):
             raise ValueError(f"adapter `{name}` has lora_bias=True, which peft's adapter combination ignores")
         if peft_model is None:

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from composition.io import atomic_output_dir, refuse_existing
 from merging.registry import get_method, validate_merge_params
-from merging.state_dicts import check_same_shape, is_mergeable, share_updates_of_tied, state_dict_of
+from merging.state_dicts import check_finite, check_finite_tensors, check_same_shape, is_mergeable, share_updates_of_tied, state_dict_of
 from merging.task_vector import TaskVector
 
 # Pass as `merge(..., **MERGEKIT_MODE)` to follow mergekit's definitions (what `merge_checkpoints`
@@ -29,6 +29,7 @@ def merge(
     out_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    allow_nonfinite: bool = False,
     **params,
 ) -> dict[str, torch.Tensor]:
     """Merge k fine-tuned models (or task vectors) into `base`: θ = θ_base + λ · merge_i(w_i, τ_i).
@@ -60,6 +61,8 @@ def merge(
             with the resolved settings.
         overwrite: replace an existing `out_dir`.
         progress: show a tqdm bar over tensors.
+        allow_nonfinite: merge NaN or inf weights (of the base or an input) and return a
+            non-finite result; by default both are refused, naming the tensor.
 
     Returns:
         The merged full state dict, same names, shapes and dtypes as `base`'s, loadable with
@@ -75,7 +78,8 @@ def merge(
     Raises:
         ValueError: an unknown method (the valid ones are listed), a parameter the method does not
             take (its parameters are listed), a parameter out of range (named, with the value and
-            the range), or tensors whose names or shapes do not match.
+            the range), tensors whose names, shapes or kinds (float / integer) do not match, or
+            (unless `allow_nonfinite`) NaN or inf in an input or in the merged result.
         FileExistsError: `out_dir` exists and `overwrite` is False.
     """
     merge_method = get_method(method)
@@ -92,9 +96,18 @@ def merge(
     if out_dir is not None:
         refuse_existing(out_dir, overwrite)
     base_state = state_dict_of(base, "base")
-    task_vectors = [_as_task_vector(item, base_state, index) for index, item in enumerate(finetuned_or_task_vectors)]
     float_base = {name: tensor for name, tensor in base_state.items() if is_mergeable(tensor)}
+    if not allow_nonfinite:
+        check_finite_tensors(float_base, "`base`")
+    task_vectors = [
+        _as_task_vector(item, base_state, index, allow_nonfinite) for index, item in enumerate(finetuned_or_task_vectors)
+    ]
     merged = merge_method(float_base, [task_vector.tensors for task_vector in task_vectors], settings, progress)
+    if not allow_nonfinite:
+        overflow = (f"the inputs are finite, so λ · Σ w τ overflowed (lam={getattr(settings, 'lam', None)}, "
+                    f"weights={settings.weights}); nothing was returned or written (allow_nonfinite=True returns it)")
+        for name, tensor in merged.items():
+            check_finite(name, tensor, "the merged model", hint=overflow)
     share_updates_of_tied(base_state, merged)
     result = {
         name: merged[name].to(device=tensor.device, dtype=tensor.dtype) if name in merged else tensor.clone()
@@ -114,7 +127,7 @@ def merge(
     return result
 
 
-def _as_task_vector(item, base_state: Mapping[str, torch.Tensor], index: int) -> TaskVector:
+def _as_task_vector(item, base_state: Mapping[str, torch.Tensor], index: int, allow_nonfinite: bool) -> TaskVector:
     """A TaskVector checked against `base_state`, or τ = item − base for a model / state dict."""
     where = f"finetuned_or_task_vectors[{index}]"
     if isinstance(item, TaskVector):
@@ -124,10 +137,12 @@ def _as_task_vector(item, base_state: Mapping[str, torch.Tensor], index: int) ->
             if not is_mergeable(base_state[name]):
                 raise ValueError(f"{where} has tensor `{name}`, which is a {base_state[name].dtype} buffer in `base`")
             check_same_shape(name, base_state[name].shape, tensor.shape, what=("base", where))
+            if not allow_nonfinite:
+                check_finite(name, tensor, where)
         return item
     if isinstance(item, (torch.nn.Module, Mapping)):
         try:
-            return TaskVector.from_state_dicts(base_state, state_dict_of(item, where))
+            return TaskVector.from_state_dicts(base_state, state_dict_of(item, where), allow_nonfinite=allow_nonfinite)
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from error
     raise ValueError(f"{where} must be a model, a state dict or a TaskVector, got {type(item).__name__}")

@@ -17,6 +17,49 @@ def is_mergeable(tensor: torch.Tensor) -> bool:
     return tensor.is_floating_point()
 
 
+NONFINITE_HINT = "pass allow_nonfinite=True (--allow-nonfinite on the command line) to merge it anyway"
+_CHUNK = 1 << 24  # entries per isfinite pass: bounded extra memory on large tensors
+
+
+def nonfinite_counts(tensor: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, ±inf count) of a floating-point tensor, 0 for others; the common finite case costs one pass."""
+    if not tensor.is_floating_point():
+        return 0, 0
+    flat = tensor.detach().reshape(-1)
+    chunks = flat.split(_CHUNK)
+    if all(bool(torch.isfinite(chunk).all()) for chunk in chunks):
+        return 0, 0
+    nan = sum(int(torch.isnan(chunk).sum()) for chunk in chunks)
+    return nan, sum(int(torch.isinf(chunk).sum()) for chunk in chunks)
+
+
+def check_finite(name: str, tensor: torch.Tensor, where: str, hint: str = NONFINITE_HINT) -> None:
+    """Raise a ValueError naming `where` (the input), the tensor and its NaN / inf counts if any entry is not finite."""
+    nan, inf = nonfinite_counts(tensor)
+    if nan or inf:
+        raise ValueError(
+            f"{where} has non-finite weights: tensor `{name}` {tuple(tensor.shape)} holds {nan} NaN and {inf} inf "
+            f"values; {hint}"
+        )
+
+
+def check_finite_tensors(tensors: Mapping[str, torch.Tensor], where: str, hint: str = NONFINITE_HINT) -> None:
+    for name, tensor in tensors.items():
+        check_finite(name, tensor, where, hint)
+
+
+def check_same_kind(name: str, base: torch.Tensor, other: torch.Tensor, what=("base", "finetuned")) -> None:
+    """Both floating-point (merged) or both not (buffers, skipped): an integer copy of a float weight is refused.
+
+    Skipping it would silently give the base's value (an int64 expert merged to the base).
+    """
+    if base.is_floating_point() != other.is_floating_point():
+        raise ValueError(
+            f"dtype mismatch for tensor `{name}`: {what[0]} has {base.dtype}, {what[1]} has {other.dtype}; "
+            "weights are merged only between floating-point tensors (was it saved with the wrong dtype?)"
+        )
+
+
 def check_same_shape(name: str, first: torch.Size | tuple, second: torch.Size | tuple, what=("base", "finetuned")) -> None:
     if tuple(first) != tuple(second):
         raise ValueError(

@@ -14,7 +14,9 @@ import torch
 from merging.io import SafetensorsCheckpoint
 from merging.lora import lora_delta_weights
 from merging.state_dicts import (
+    check_finite,
     check_same_keys,
+    check_same_kind,
     check_same_shape,
     compute_dtype,
     is_mergeable,
@@ -47,49 +49,58 @@ class TaskVector:
     # ---- builders -------------------------------------------------------------------------
 
     @classmethod
-    def from_state_dicts(cls, base: Mapping[str, torch.Tensor], finetuned: Mapping[str, torch.Tensor]) -> TaskVector:
+    def from_state_dicts(
+        cls, base: Mapping[str, torch.Tensor], finetuned: Mapping[str, torch.Tensor], *, allow_nonfinite: bool = False
+    ) -> TaskVector:
         """τ[name] = finetuned[name] − base[name] for every floating-point tensor.
 
-        Raises ValueError if the names differ or a pair of shapes differs (naming the tensor).
+        Raises ValueError if the names differ, a pair of shapes differs, a floating-point tensor is
+        not floating-point in the other (an int64 copy would silently count as no change), or,
+        unless `allow_nonfinite`, a tensor holds NaN or inf (each naming the tensor).
         """
         base = state_dict_of(base, "base")
         finetuned = state_dict_of(finetuned, "finetuned")
         check_same_keys(set(base), set(finetuned))
         tensors = {}
         for name, base_tensor in base.items():
-            _add_difference(tensors, name, base_tensor, finetuned[name])
+            _add_difference(tensors, name, base_tensor, finetuned[name], ("base", "finetuned"), allow_nonfinite)
         return cls(tensors)
 
     @classmethod
-    def from_models(cls, base_model: torch.nn.Module, finetuned_model: torch.nn.Module) -> TaskVector:
+    def from_models(cls, base_model: torch.nn.Module, finetuned_model: torch.nn.Module, *, allow_nonfinite: bool = False) -> TaskVector:
         """The task vector of two models with the same architecture (their state dicts)."""
-        return cls.from_state_dicts(state_dict_of(base_model, "base_model"), state_dict_of(finetuned_model, "finetuned_model"))
+        return cls.from_state_dicts(
+            state_dict_of(base_model, "base_model"), state_dict_of(finetuned_model, "finetuned_model"), allow_nonfinite=allow_nonfinite
+        )
 
     @classmethod
-    def from_checkpoints(cls, base_dir: str | os.PathLike, finetuned_dir: str | os.PathLike) -> TaskVector:
+    def from_checkpoints(cls, base_dir: str | os.PathLike, finetuned_dir: str | os.PathLike, *, allow_nonfinite: bool = False) -> TaskVector:
         """The task vector of two safetensors checkpoint folders, read one tensor pair at a time.
 
-        Peak memory is the task vector plus one tensor pair, never two full models.
+        Peak memory is the task vector plus one tensor pair, never two full models. Errors name
+        the folders; non-finite weights are refused unless `allow_nonfinite`.
         """
-        base, finetuned = SafetensorsCheckpoint(base_dir), SafetensorsCheckpoint(finetuned_dir)
-        check_same_keys(set(base.keys()), set(finetuned.keys()))
+        base, finetuned = SafetensorsCheckpoint(base_dir, "base"), SafetensorsCheckpoint(finetuned_dir, "finetuned")
+        what = (f"base {str(base_dir)!r}", f"finetuned {str(finetuned_dir)!r}")
+        check_same_keys(set(base.keys()), set(finetuned.keys()), what)
         tensors = {}
         for name in base.keys():
-            check_same_shape(name, base.shape(name), finetuned.shape(name))  # before reading either tensor
-            _add_difference(tensors, name, base.get(name), finetuned.get(name))
+            check_same_shape(name, base.shape(name), finetuned.shape(name), what)  # before reading either tensor
+            _add_difference(tensors, name, base.get(name), finetuned.get(name), what, allow_nonfinite)
         return cls(tensors)
 
     @classmethod
-    def from_lora(cls, base_model: torch.nn.Module, adapter) -> TaskVector:
+    def from_lora(cls, base_model: torch.nn.Module, adapter, *, allow_nonfinite: bool = False) -> TaskVector:
         """The dense task vector of a peft LoRA adapter: ΔW = scaling · B @ A for every adapted module.
 
         `adapter` is a peft adapter folder (or hub id) or a PeftModel (its active adapter).
         `scaling` is peft's: lora_alpha / r, or lora_alpha / √r with rsLoRA, per module with
         rank_pattern / alpha_pattern; `modules_to_save` copies contribute their difference to the
         base. DoRA adapters raise a ValueError: their merged weight m · (W + ΔW) / ‖W + ΔW‖ is not
-        W + ΔW. See `merging.lora.lora_delta_weights`.
+        W + ΔW. Non-finite adapter weights are refused unless `allow_nonfinite`. See
+        `merging.lora.lora_delta_weights`.
         """
-        return cls(lora_delta_weights(base_model, adapter))
+        return cls(lora_delta_weights(base_model, adapter, allow_nonfinite=allow_nonfinite))
 
     # ---- algebra --------------------------------------------------------------------------
 
@@ -195,9 +206,15 @@ class TaskVector:
         return f"TaskVector({len(self.tensors)} tensors, {count} parameters, norm={self.norm():.4g})"
 
 
-def _add_difference(tensors: dict[str, torch.Tensor], name: str, base: torch.Tensor, finetuned: torch.Tensor) -> None:
+def _add_difference(
+    tensors: dict[str, torch.Tensor], name: str, base: torch.Tensor, finetuned: torch.Tensor, what: tuple[str, str], allow_nonfinite: bool
+) -> None:
     """`tensors[name] = finetuned − base` in their common float dtype; integer and bool buffers are skipped."""
-    check_same_shape(name, base.shape, finetuned.shape)
-    if is_mergeable(base) and is_mergeable(finetuned):
+    check_same_shape(name, base.shape, finetuned.shape, what)
+    check_same_kind(name, base, finetuned, what)
+    if is_mergeable(base):
+        if not allow_nonfinite:
+            check_finite(name, base, what[0])
+            check_finite(name, finetuned, what[1])
         dtype = compute_dtype(base.dtype, finetuned.dtype)
         tensors[name] = finetuned.to(dtype) - base.to(dtype)

@@ -28,7 +28,7 @@ IGNORE_INDEX = -100  # label of positions that carry no target (cross_entropy's 
 class OptimizerSettings(BaseModel):
     """AdamW, its learning-rate schedule and gradient clipping."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # lr: .inf trains to NaN
 
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)

@@ -23,7 +23,8 @@ DEFAULT_TASK_TYPE = "letters"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Every float is finite: `lr: .inf` or `alpha: .nan` is refused at load time, not after training.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # The linear layers LoRA may adapt in each architecture (peft matches `target_modules` by name suffix).
@@ -126,7 +127,7 @@ class ExpertTraining(_Strict):
 
 
 class TrainingPlan(_Strict):
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     base: TrainingSettings
     experts: ExpertTraining
 
@@ -134,7 +135,7 @@ class TrainingPlan(_Strict):
 class EvaluationSettings(_Strict):
     """Held-out data. Main splits use strings of `length`; `lengths` are the per-length curves."""
 
-    seed: int = 1234
+    seed: int = Field(1234, ge=0)  # numpy's default_rng takes no negative seed
     length: int | None = Field(None, ge=1)  # default: the longest training length
     joint_size: int = Field(1000, ge=1)
     split_size: int = Field(500, ge=1)  # each single-skill split and `neither`
@@ -177,7 +178,10 @@ def check_merge_grids(grids: dict[str, MergeGrid]) -> dict[str, MergeGrid]:
         raise ValueError(f"unknown merge methods {unknown}; valid: {sorted(METHODS)}")
     for method, grid in grids.items():
         for params in grid.candidates():
-            validate_merge_params(method, params)
+            try:
+                validate_merge_params(method, params)
+            except ValueError as error:
+                raise ValueError(f"`merges.{method}`: {error}") from None
     return grids
 
 
@@ -202,7 +206,7 @@ class CompareConfig(_Strict):
     training: TrainingPlan
     evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
     merges: dict[str, MergeGrid] = Field(default_factory=_default_merges)
-    seed_merges: int = 0  # DARE's random drop seed
+    seed_merges: int = Field(0, ge=0)  # DARE's random drop seed
     # Named remedy sets (`tasks.remedies`), each evaluated as one more system `compose+<name>`.
     # Left out of dumps when empty, so configs without remedies keep their hashes.
     remedies: dict[str, RemedySettings] = Field(default_factory=dict, exclude_if=lambda value: not value)

@@ -112,13 +112,22 @@ def test_a_failed_merge_leaves_nothing(checkpoints, tmp_path):
         "base_model": str(checkpoints / "base"),
         "models": [{"model": str(tmp_path / "other_shape"), "parameters": {"weight": 1.0}}],
     }
-    with pytest.raises(ValueError, match=r"Tensor size mismatch"):  # raised inside mergekit's run_merge
+    # Refused before mergekit runs, naming the tensor, both shapes and both folders.
+    with pytest.raises(ValueError, match=r"shape mismatch for tensor `.*`: `base_model` .*base' has \(64, 32\), `models\[0\]\.model` .*other_shape' has \(64, 16\)"):
         merge_checkpoints(config, tmp_path / "merged")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["other_shape"]
 
     config["models"][0]["model"] = str(tmp_path / "missing")
-    with pytest.raises(ValueError, match=r"model folder '.*missing' in `config` does not exist"):
+    with pytest.raises(ValueError, match=r"`models\[0\]\.model` '.*missing': no such folder"):
         merge_checkpoints(config, tmp_path / "merged")
+
+    # A failure after mergekit has written into the temporary folder: a result that overflows float32.
+    config["models"][0]["model"] = str(checkpoints / "expert_0")
+    config["parameters"] = {"lambda": 1e30}
+    config["models"][0]["parameters"] = {"weight": 1e30}
+    with pytest.raises(ValueError, match=r"the merged model has non-finite weights: tensor `.*` .*overflowed"):
+        merge_checkpoints(config, tmp_path / "merged")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["other_shape"]
 
 
 def test_in_memory_merge_writes_a_loadable_model(base_model, expert_models, tmp_path):

@@ -51,4 +51,7 @@ def test_task_vector_command_prints_norms_and_cosines(checkpoints, lora_dirs, ba
 
 def test_task_vector_command_reports_bad_folders(checkpoints, tmp_path, capsys):
     assert main(["task-vector", str(checkpoints / "base"), str(tmp_path)]) == 2
+    assert "it has no config.json and no adapter_config.json (the folder is empty)" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")  # a model folder without safetensors weights
+    assert main(["task-vector", str(checkpoints / "base"), str(tmp_path)]) == 2
     assert "no model.safetensors" in capsys.readouterr().err

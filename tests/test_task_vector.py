@@ -97,8 +97,12 @@ def test_from_checkpoints_reads_single_and_sharded_folders(base_model, expert_mo
     assert set(from_disk.tensors) == set(in_memory.tensors)
     for name, tensor in in_memory.tensors.items():
         assert torch.equal(from_disk.tensors[name], tensor)
-    with pytest.raises(ValueError, match=r"no model.safetensors"):
+    with pytest.raises(ValueError, match=r"`finetuned` .* is not a model folder: it has no config.json"):
         TaskVector.from_checkpoints(tmp_path / "base", tmp_path)
+    (tmp_path / "no_weights").mkdir()
+    (tmp_path / "no_weights" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"no model.safetensors"):
+        TaskVector.from_checkpoints(tmp_path / "base", tmp_path / "no_weights")
 
 
 # ---- LoRA ----------------------------------------------------------------------------------------

@@ -42,19 +42,20 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from composition import sources
 from composition.remedies import RemedySettings
+from composition.sources import check_hub_id, check_model_source, hub_offline, is_local
 from merging import METHODS, CheckpointMergeConfig
 from tasks.config import MergeGrid, check_merge_grids
 from tasks.letters.lm_eval_tasks import LettersRun
 from tasks.lm_eval.catalog import check_task_names, task_kind, unsafe_tasks
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 RESERVED_PREFIXES = ("expert:", "merge:")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # every float is finite
 
 
 class LmEvalTaskSettings(_Strict):
@@ -118,7 +119,7 @@ class LmEvalCompareConfig(_Strict):
     merges: dict[str, MergeGrid] = Field(default_factory=dict)
     merge_experts: list[str] | None = None  # default: every expert
     merge_selection: MergeSelection | None = None
-    seed_merges: int = 0  # DARE's random drop seed (mergekit's random_seed)
+    seed_merges: int = Field(0, ge=0)  # DARE's random drop seed (mergekit's random_seed)
     # Whose definitions the merges follow: mergekit's (`merge_checkpoints` on disk, the default), or
     # the papers' (`merging.merge` in memory, as `mergecompose compare` merges, then saved): TIES and
     # DARE differ between the two (see README, Merging).
@@ -148,9 +149,7 @@ class LmEvalCompareConfig(_Strict):
     @field_validator("base")
     @classmethod
     def _base(cls, value):
-        if source_kind(value, "base") == "adapter":
-            raise ValueError(f"`base` must be a full checkpoint, got the peft adapter folder {value!r}")
-        return value
+        return check_model_source(value, "base", adapter_hint="give its base as `base` and the adapter under `experts`")
 
     @field_validator("experts")
     @classmethod
@@ -233,18 +232,11 @@ class LmEvalCompareConfig(_Strict):
 def source_kind(value: str, where: str) -> Literal["checkpoint", "adapter", "hub"]:
     """What a model source is: a local checkpoint folder, a local peft adapter folder, or a hub id (checked at run time).
 
-    A value that starts like a path (`/`, `./`, `../`, `~`) or has more than one `/` must be an
-    existing folder; a folder must hold `config.json` or `adapter_config.json`.
+    Local values (`composition.sources.is_local`) must be existing checkpoint or adapter folders;
+    offline (HF_HUB_OFFLINE), a hub id must be in the hub cache. Online, a hub id is not looked up
+    at load time.
     """
-    path = Path(value).expanduser()
-    if path.is_dir():
-        if (path / "adapter_config.json").is_file():
-            return "adapter"
-        if (path / "config.json").is_file():
-            return "checkpoint"
-        raise ValueError(f"`{where}`: folder {value!r} holds neither config.json (a checkpoint) nor adapter_config.json (a peft adapter)")
-    if path.exists():
-        raise ValueError(f"`{where}`: {value!r} is a file; give a checkpoint or adapter folder, or a hub id")
-    if value.startswith(("/", "./", "../", "~")) or not _HUB_ID.match(value):
-        raise ValueError(f"`{where}`: folder {value!r} does not exist (and it is not a hub id of the form owner/name)")
+    if is_local(value) or hub_offline():
+        return sources.source_kind(value, where)
+    check_hub_id(value, where)
     return "hub"

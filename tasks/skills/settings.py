@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from analysis.report import plot_activity_heatmap
 from merging import TaskVector
@@ -59,13 +59,15 @@ _NOT_IN_RECIPE = ("num_experts", "expert_noise", "expert_noise_seed", "activity_
 class SkillsTaskSettings(SkillsTaskSpec):
     """`task:` of a compare config for the sequential-skills family; see `tasks.skills.SkillsTaskSpec`."""
 
+    model_config = ConfigDict(allow_inf_nan=False)  # merged with the spec's: every float is finite
+
     type: Literal["skills"] = "skills"
     formulation: Literal["seq2seq"] = "seq2seq"
     # The imperfect-expert variant: Gaussian noise of `expert_noise` × the RMS of each tensor of
     # the task vector is added to every full expert (`noisy_expert`), so that it deviates from the
     # base outside its skill too. 0 leaves the experts as trained.
     expert_noise: float = Field(0.0, ge=0)
-    expert_noise_seed: int = 0
+    expert_noise_seed: int = Field(0, ge=0)
     # Analysis: the activity threshold ε (nats of KL(p_i ‖ p_b)), and how many tokens past the
     # target greedy decoding may run (to tell a late EOS from a missing one).
     activity_epsilon: float = Field(0.1, ge=0)
