@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 from analysis.report import terminal_table
 from analysis.run import OverlapRunConfig, run_overlap
 from composition.cli_common import add_common_flags
@@ -26,6 +29,10 @@ def add_commands(subparsers) -> None:
     overlap.add_argument("--max-length", type=int, dest="max_length")
     overlap.add_argument("--max-records", type=int, dest="max_records")
     overlap.add_argument(
+        "--truncate", action="store_true", default=None,
+        help="cut records longer than --max-length (or the base's context) instead of refusing them; says how many were cut",
+    )
+    overlap.add_argument(
         "--rollouts", action="append", help="also measure on greedy rollouts of: composed, base, experts, expert:NAME (repeat)"
     )
     overlap.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
@@ -44,7 +51,7 @@ def add_commands(subparsers) -> None:
 _SETTINGS_FLAGS = ("epsilon", "eta", "seed")
 _RUN_FLAGS = (
     "base", "experts", "merged", "data", "out", "overwrite", "tokenizer", "lam", "batch_size", "max_length",
-    "max_records", "rollouts", "max_new_tokens", "prompt_tokens", "parameter_density", "parameter_measures", "device",
+    "max_records", "truncate", "rollouts", "max_new_tokens", "prompt_tokens", "parameter_density", "parameter_measures", "device",
 )
 
 
@@ -64,7 +71,12 @@ def config_from_args(args):
 
 def run_overlap_command(args) -> int:
     config = config_from_args(args)
-    results = run_overlap(config, progress=not args.quiet)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        results = run_overlap(config, progress=not args.quiet)
+    for warning in caught:  # what was done about the input (records cut, unknown tokens): one line each
+        if issubclass(warning.category, UserWarning):
+            print(f"mergecompose overlap: warning: {warning.message}", file=sys.stderr)
     print(terminal_table(results))
     if not args.quiet:
         print(f"\nwrote {config.out}/overlap.json, overlap.md, config.yaml and plots")

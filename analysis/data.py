@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from transformers import PreTrainedTokenizerFast
 
 # ids 0-3, as in `composition.tiny`'s config
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+# Above this share of unknown tokens `encode_records` warns: the tokenizer does not cover the text.
+UNKNOWN_SHARE_WARNING = 0.05
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,22 @@ class Record:
 
 
 def read_jsonl(path: str | os.PathLike, max_records: int | None = None) -> list[Record]:
-    """Read `{"text": ...}` or `{"prompt": ..., "completion": ...}` records, one JSON object a line."""
+    """Read `{"text": ...}` or `{"prompt": ..., "completion": ...}` records, one JSON object a line.
+
+    Errors name the file and the line: a line that is not UTF-8, not JSON or not such a record."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"`data` must be an existing .jsonl file, got {str(path)!r}")
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{path}:{number} is not UTF-8 text: byte {raw[error.start:error.start + 1]!r} ({error.reason}); "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -87,30 +99,65 @@ class Encoded:
     prompt_length: int
 
 
-def encode_records(records: Sequence[Record], tokenizer, max_length: int) -> list[Encoded]:
+def encode_records(
+    records: Sequence[Record], tokenizer, max_length: int, truncate: bool = False, limit_name: str = "`max_length`"
+) -> list[Encoded]:
     """Tokenize each record: the prompt with the tokenizer's special tokens, the completion without.
 
-    Sequences are cut to `max_length` tokens; a record left with no measurable position (fewer
-    than two tokens, or no completion token within `max_length`) is an error.
+    A record longer than `max_length` tokens is an error, unless `truncate`: then it is cut to
+    `max_length` tokens and a warning says how many records and tokens were cut. `limit_name` says
+    in those messages where the limit comes from. A record left with no measurable position (fewer
+    than two tokens, or no completion token within `max_length`) is an error. More than
+    `UNKNOWN_SHARE_WARNING` of unknown tokens gets a warning with their share.
     """
-    if max_length < 2:
-        raise ValueError(f"`max_length` must be >= 2, got {max_length}")
-    encoded = []
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
+        raise ValueError(f"`max_length` must be an integer >= 2, got {max_length!r}")
+    if not records:
+        raise ValueError("`records` is empty; nothing to encode")
+    encoded, too_long, dropped = [], [], 0
     for index, record in enumerate(records):
         if record.prompt:
             prompt = tokenizer(record.prompt)["input_ids"]
             completion = tokenizer(record.completion, add_special_tokens=False)["input_ids"]
         else:
             prompt, completion = [], tokenizer(record.completion)["input_ids"]
-        ids = (prompt + completion)[:max_length]
+        ids = prompt + completion
+        if len(ids) > max_length:
+            too_long.append((index, len(ids)))
+            dropped += len(ids) - max_length
+            ids = ids[:max_length]
         prompt_length = len(prompt)
         if len(ids) < 2 or len(ids) <= max(prompt_length, 1):
             raise ValueError(
                 f"record {index} has no measurable position after tokenization (prompt {len(prompt)} "
-                f"tokens, completion {len(completion)} tokens, max_length {max_length})"
+                f"tokens, completion {len(completion)} tokens, limit {max_length} from {limit_name})"
             )
         encoded.append(Encoded(ids, prompt_length))
+    if too_long:
+        index, length = max(too_long, key=lambda item: item[1])
+        counts = f"{len(too_long)} of {len(records)} records are longer than {max_length} tokens ({limit_name})"
+        if not truncate:
+            raise ValueError(
+                f"{counts}, the longest (record {index}) has {length}; pass truncate=True (`--truncate`) to cut them"
+            )
+        warnings.warn(f"{counts}: cut them to {max_length} tokens, dropping {dropped} tokens", UserWarning, stacklevel=2)
+    _warn_unknown_tokens(encoded, tokenizer)
     return encoded
+
+
+def _warn_unknown_tokens(encoded: Sequence[Encoded], tokenizer) -> None:
+    unknown = getattr(tokenizer, "unk_token_id", None)
+    if unknown is None:
+        return
+    total = sum(len(item.ids) for item in encoded)
+    count = sum(item.ids.count(unknown) for item in encoded)
+    if count > UNKNOWN_SHARE_WARNING * total:
+        warnings.warn(
+            f"{count / total:.0%} of the tokens ({count} of {total}) are the unknown token {tokenizer.unk_token!r}: "
+            "the tokenizer does not cover this text, and what is measured there is the model's view of that token",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def measure_mask(encoded: Encoded) -> list[bool]:

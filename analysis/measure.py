@@ -19,6 +19,30 @@ from tqdm.auto import tqdm
 from analysis.parameters import parameter_overlap
 from analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
 from composition import ComposedLM, compose_with_remedies
+from composition.model import as_mask, as_token_ids
+
+
+def batch_tensors(batch, index: int) -> dict:
+    """Batch `index` with its tensors checked: `input_ids` `(B, T)`, and `attention_mask` and `measure_mask`
+    (0/1) of that shape where given; lists are converted. Other keys are passed on as they are."""
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch {index} must be a mapping of names to tensors (`input_ids`, ...), got {type(batch).__name__}")
+    if batch.get("input_ids") is None:
+        raise ValueError(
+            f"batch {index} has no `input_ids` (its keys: {sorted(map(str, batch))}); a batch maps `input_ids` (B, T) "
+            "and optionally `attention_mask`, `measure_mask`, `position_ids` to tensors"
+        )
+    checked = dict(batch)
+    try:
+        checked["input_ids"] = as_token_ids(batch["input_ids"])
+        for name in ("attention_mask", "measure_mask"):
+            if batch.get(name) is not None:
+                checked[name] = as_mask(batch[name], checked["input_ids"].shape, name)
+        if batch.get("position_ids") is not None:
+            checked["position_ids"] = as_token_ids(batch["position_ids"], "position_ids")
+    except (TypeError, ValueError) as error:
+        raise type(error)(f"batch {index}: {error}") from None
+    return checked
 
 
 @torch.no_grad()
@@ -87,7 +111,10 @@ def measure_overlap(
     tokenizer = tokenizer if tokenizer is not None else composed.tokenizer
     decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids))
     accumulator = None
-    for batch in tqdm(batches, desc=description, disable=not progress, leave=False):
+    batches_seen = rows = 0
+    for index, batch in enumerate(tqdm(batches, desc=description, disable=not progress, leave=False)):
+        batch = batch_tensors(batch, index)
+        batches_seen, rows = batches_seen + 1, rows + batch["input_ids"].shape[0]
         input_ids = batch["input_ids"]
         attention_mask = batch.get("attention_mask")
         if attention_mask is None:
@@ -116,6 +143,11 @@ def measure_overlap(
         )
     if accumulator is None:
         raise ValueError("`batches` is empty; nothing to measure")
+    if accumulator.positions == 0:
+        raise ValueError(
+            f"nothing was measured: `measure_mask` (with `attention_mask`) selects no position in the {batches_seen} "
+            f"batches ({rows} rows); mark the positions to measure with 1"
+        )
     report = accumulator.report()
     if task_vectors is not None:
         if list(task_vectors) != list(composed.expert_names):
@@ -182,7 +214,8 @@ def rollout_batches(
     if eos_token_id is not None:
         eos_ids = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
     batches = []
-    for batch in prompt_batches:
+    for index, batch in enumerate(prompt_batches):
+        batch = batch_tensors(batch, index)
         prompt, prompt_mask = batch["input_ids"], batch.get("attention_mask")
         if prompt_mask is None:
             prompt_mask = torch.ones_like(prompt)

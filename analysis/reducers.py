@@ -44,7 +44,7 @@ class OverlapSettings(BaseModel):
     * `seed`: the reservoir's random generator.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     epsilon: float = Field(0.1, ge=0)
     epsilons: list[float] = Field(default_factory=lambda: [0.01, 0.1, 1.0])
@@ -86,10 +86,10 @@ class LogHistogram:
     def total(self) -> int:
         return int(self.counts.sum())
 
-    def quantile(self, fraction: float) -> float:
-        """An upper bound on the `fraction` quantile: the upper edge of the bin that reaches it."""
+    def quantile(self, fraction: float) -> float | None:
+        """An upper bound on the `fraction` quantile: the upper edge of the bin that reaches it; None when empty."""
         if self.total == 0:
-            return float("nan")
+            return None
         cumulative = self.counts.cumsum(0).double() / self.total
         index = int(torch.searchsorted(cumulative, torch.tensor([fraction], dtype=torch.float64))[0])
         uppers = torch.cat([self.edges, torch.tensor([float("inf")], dtype=torch.float64)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import yaml
@@ -228,21 +229,41 @@ def plot_gap_histogram(histogram: dict, path: Path, title: str = "merge-vs-compo
         plt.close(figure)
 
 
-def json_safe(value):
-    """Replace non-finite floats (not valid JSON) by strings "inf" / "-inf" / "nan"; tuples by lists."""
-    if isinstance(value, float) and not math.isfinite(value):
+def json_safe(value, undefined: list[str] | None = None, path: str = ""):
+    """What JSON cannot hold, replaced: ±inf by the strings "inf" / "-inf", NaN (an undefined value) by
+    null, with its key path appended to `undefined` when a list is given; tuples by lists."""
+    if isinstance(value, float) and math.isnan(value):
+        if undefined is not None:
+            undefined.append(path or "(top level)")
+        return None
+    if isinstance(value, float) and math.isinf(value):
         return str(value)
     if isinstance(value, dict):
-        return {str(key): json_safe(item) for key, item in value.items()}
+        return {str(key): json_safe(item, undefined, f"{path}.{key}" if path else str(key)) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
+        return [json_safe(item, undefined, f"{path}[{index}]") for index, item in enumerate(value)]
     return value
+
+
+def json_text(results: dict, name: str) -> str:
+    """`results` as JSON text for the file `name`; a NaN is written as null, with a warning naming its keys
+    (`allow_nan=False`: a bare NaN, which is not JSON, can never be written)."""
+    undefined: list[str] = []
+    text = json.dumps(json_safe(results, undefined), indent=1, allow_nan=False)
+    if undefined:
+        warnings.warn(
+            f"{name}: {len(undefined)} values were NaN (undefined) and are written as null: {', '.join(undefined[:8])}"
+            + (" ..." if len(undefined) > 8 else ""),
+            UserWarning,
+            stacklevel=2,
+        )
+    return text
 
 
 def write_outputs(folder: Path, results: dict, config: dict) -> list[str]:
     """Write every output of an overlap run into `folder`; return the file names."""
     folder = Path(folder)
-    (folder / "overlap.json").write_text(json.dumps(json_safe(results), indent=1, allow_nan=False))
+    (folder / "overlap.json").write_text(json_text(results, "overlap.json"))
     (folder / "overlap.md").write_text(markdown(results))
     (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     names = ["overlap.json", "overlap.md", "config.yaml", "activity_heatmap.png"]

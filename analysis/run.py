@@ -35,6 +35,9 @@ class OverlapRunConfig(BaseModel):
       single-expert linearization error.
     * `data`: jsonl with `{"text"}` or `{"prompt", "completion"}` records; `tokenizer` defaults to
       the base's.
+    * `max_length`: the most tokens a record may have (and at most the base's context,
+      `max_position_embeddings`). A longer record is an error unless `truncate`: then it is cut,
+      with a warning that says how many records and tokens were cut.
     * `rollouts`: also measure on greedy rollouts of "composed", "base", "experts" (each
       expert) or a named expert, from each record's prompt (or the first `prompt_tokens` tokens
       of a text record).
@@ -42,7 +45,7 @@ class OverlapRunConfig(BaseModel):
       `parameter_measures: false` skips them.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     base: str
     experts: list[str] = Field(min_length=1)
@@ -55,6 +58,7 @@ class OverlapRunConfig(BaseModel):
     batch_size: int = Field(8, ge=1)
     max_length: int = Field(256, ge=2)
     max_records: int | None = Field(None, ge=1)
+    truncate: bool = False
     rollouts: list[str] = Field(default_factory=list)
     max_new_tokens: int = Field(32, ge=1)
     prompt_tokens: int = Field(8, ge=1)
@@ -105,6 +109,22 @@ def _task_vector(base_model, base: str, expert: str, device: str):
     return TaskVector.from_models(base_model, _load_causal_lm(expert, base, device))
 
 
+def _rollout_sources(rollouts: list[str], expert_names: list[str]) -> list[str]:
+    """The decoders `rollouts` asks for, each once: "composed", "base" or an expert's name (checked)."""
+    sources = []
+    for source in rollouts:
+        if source == "experts":
+            sources += expert_names
+        elif source.startswith("expert:"):
+            name = source.removeprefix("expert:")
+            if name not in expert_names:
+                raise ValueError(f"`rollouts` entry {source!r} names no expert; the experts are {expert_names}")
+            sources.append(name)
+        else:
+            sources.append(source)
+    return list(dict.fromkeys(sources))
+
+
 def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     """Measure and write overlap.json, overlap.md, config.yaml and the plots into `config.out`.
 
@@ -114,9 +134,11 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     inputs = [config.base, *config.experts, config.merged, config.data, config.tokenizer]
     refuse_output_over_inputs(config.out, inputs, "`out`")
     refuse_existing(config.out, config.overwrite)
+    records = read_jsonl(config.data, config.max_records)  # before any model loads: a bad file fails fast
     device = _device(config.device)
     k = len(config.experts)
     composed = ComposedLM.from_pretrained(config.base, experts=config.experts, weights=[config.lam] * k, device_map=device)
+    sources = _rollout_sources(config.rollouts, composed.expert_names)
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer) if config.tokenizer else composed.tokenizer
     if tokenizer is None:
         raise ValueError(f"no tokenizer found in `base` {config.base!r}; pass `tokenizer`")
@@ -124,8 +146,18 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     if pad_id is None:
         raise ValueError("the tokenizer has neither a pad nor an EOS token; one is needed to pad batches")
 
-    encoded = encode_records(read_jsonl(config.data, config.max_records), tokenizer, config.max_length)
+    limit, limit_name, context = config.max_length, "`max_length`", composed.context_length
+    if context is not None and context < limit:
+        limit, limit_name = context, "the base's context, `max_position_embeddings`"
+    encoded = encode_records(records, tokenizer, limit, truncate=config.truncate, limit_name=limit_name)
     batches = make_batches(encoded, config.batch_size, pad_id)
+    prompts = prompt_batches(encoded, config.batch_size, pad_id, config.prompt_tokens) if sources else []
+    longest_prompt = max((batch["input_ids"].shape[1] for batch in prompts), default=0)
+    if prompts and context is not None and longest_prompt + config.max_new_tokens > context:
+        raise ValueError(
+            f"`rollouts`: prompts of up to {longest_prompt} tokens plus `max_new_tokens` = {config.max_new_tokens} "
+            f"exceed the base's context of {context} positions (`max_position_embeddings`); lower `max_new_tokens`"
+        )
 
     base_model = None
     if config.parameter_measures or config.lam != 1.0:
@@ -159,17 +191,8 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     )
     results = report.to_dict()
 
-    sources = []
-    for source in config.rollouts:
-        if source == "experts":
-            sources += composed.expert_names
-        elif source.startswith("expert:"):
-            sources.append(source.removeprefix("expert:"))
-        else:
-            sources.append(source)
-    prompts = prompt_batches(encoded, config.batch_size, pad_id, config.prompt_tokens) if sources else []
     results["rollouts"] = {}
-    for source in dict.fromkeys(sources):
+    for source in sources:
         rolled = rollout_batches(
             composed, prompts, source=source, max_new_tokens=config.max_new_tokens,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id,

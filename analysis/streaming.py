@@ -200,7 +200,12 @@ class OverlapAccumulator:
         self.sequences += int(mask.any(-1).sum())
 
     def report(self) -> OverlapReport:
-        """Assemble the reducers' reports into an `OverlapReport`."""
+        """Assemble the reducers' reports into an `OverlapReport`; an error if no position was measured."""
+        if self.positions == 0:
+            raise ValueError(
+                "nothing to report: every `mask` given to `update` was all zero (0 positions measured); "
+                "its rates and means would be undefined"
+            )
         activity, intervals, projective = self.activity.report(), self.intervals.report(), self.projective.report()
         top_tokens, linearization = self.top_tokens.report(), self.linearization.report()
         projective_experts = projective.pop("experts")

@@ -128,3 +128,20 @@ def test_overlap_cli_rejects_bad_configs(workspace, capsys):
     assert main(base + ["--data", str(workspace / "data.jsonl"), "--out", str(workspace / "x"), "--lam", "-1"]) == 2
     assert "lam" in capsys.readouterr().err
     assert not (workspace / "x").exists()
+
+
+def test_overlap_cli_truncates_only_when_asked_and_says_so(workspace, capsys):
+    args = ["overlap", "--base", str(workspace / "base"), "--expert", str(workspace / "ab"), "--expert", str(workspace / "cd"),
+            "--data", str(workspace / "data.jsonl"), "--no-parameter-measures", "--max-length", "8", "--quiet"]
+    # Records of 13, 7 + 5 and 7 tokens: two are longer than 8.
+    assert main([*args, "--out", str(workspace / "refused")]) == 2
+    assert "2 of 3 records are longer than 8 tokens (`max_length`), the longest (record 0) has 13" in capsys.readouterr().err
+    assert not (workspace / "refused").exists()
+    out = workspace / "out_truncated"
+    assert main([*args, "--out", str(out), "--truncate"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == ["mergecompose overlap: warning: 2 of 3 records are longer than 8 tokens (`max_length`): "
+                        "cut them to 8 tokens, dropping 9 tokens"]
+    # 7 positions of the cut text, 1 completion token left of the prompt/completion record, 6 of the short text.
+    assert json.loads((out / "overlap.json").read_text())["num_positions"] == 7 + 1 + 6
+    assert yaml.safe_load((out / "config.yaml").read_text())["truncate"] is True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from analysis import diagnostics as dx
 from analysis.reducers import LogHistogram, OverlapSettings, PositionReservoir
+from analysis.report import json_text
 from analysis.streaming import OverlapAccumulator
 from composition import compose_logprobs
 
@@ -173,3 +175,9 @@ def test_heatmap_keeps_activity_and_intervals_of_the_first_sequences():
     assert report["pairs"]["a|b"]["interval_overlap_rate"] == 0.0
     assert report["experts"]["a"]["interval_length_mean"] == 2.0
     assert report["projective_error"]["single_active"] < 1e-5
+
+
+def test_json_never_holds_nan():
+    with pytest.warns(UserWarning, match=r"r\.json: 2 values were NaN \(undefined\) and are written as null: a\[1\], b\.c"):
+        text = json_text({"a": [1.0, float("nan"), float("inf")], "b": {"c": float("nan")}}, "r.json")
+    assert json.loads(text) == {"a": [1.0, None, "inf"], "b": {"c": None}}
