@@ -15,7 +15,7 @@ from composition.cli_common import check_output_location, command_settings
 from composition.io import validation_message
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
-_COMMAND_MODULES = ["composition.cli", "merging.cli", "analysis.cli", "tasks.cli"]
+_COMMAND_MODULES = ["composition.cli", "composition.vllm_cli", "merging.cli", "analysis.cli", "tasks.cli"]
 # Commands of an optional extra: module -> (the package it needs, the command, the extra).
 _OPTIONAL_COMMAND_MODULES = {"composition.lm_eval_cli": ("lm_eval", "lm-eval", "lm-eval")}
 
