@@ -20,6 +20,7 @@ from analysis.parameters import parameter_overlap
 from analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
 from composition import ComposedLM, compose_with_remedies
 from composition.model import as_mask, as_token_ids
+from composition.rule import check_weights
 
 
 def batch_tensors(batch, index: int) -> dict:
@@ -103,6 +104,8 @@ def measure_overlap(
     """
     if not isinstance(composed, ComposedLM):
         raise ValueError(f"`composed` must be a ComposedLM, got {type(composed).__name__}")
+    if task_vectors is not None and not (isinstance(parameter_density, (int, float)) and 0 < parameter_density <= 1):
+        raise ValueError(f"`parameter_density` must be in (0, 1], got {parameter_density!r}")  # before, not after, measuring
     if scaled_expert_models is not None and len(scaled_expert_models) != composed.num_experts:
         raise ValueError(
             f"`scaled_expert_models` must hold one model per expert ({composed.num_experts}), "
@@ -162,10 +165,8 @@ def measure_overlap(
 
 def with_weights(composed: ComposedLM, weights: Sequence[float]) -> ComposedLM:
     """A shallow copy of `composed` (same models, same backend) with other exponents and no remedies."""
-    if len(weights) != composed.num_experts:
-        raise ValueError(f"`weights` must hold one weight per expert ({composed.num_experts}), got {len(weights)}")
     other = copy.copy(composed)
-    other.weights = [float(w) for w in weights]
+    other.weights = check_weights(weights, composed.num_experts)
     other.remedies = ()
     return other
 

@@ -27,7 +27,7 @@ from analysis.reducers import (
     ProjectiveErrorReducer,
     TopTokenReducer,
 )
-from composition.rule import compose_logprobs
+from composition.rule import check_weights, compose_logprobs
 
 
 @dataclass
@@ -110,12 +110,10 @@ class OverlapAccumulator:
             raise ValueError("`expert_names` must name at least one expert, got none")
         if len(set(expert_names)) != len(expert_names):
             raise ValueError(f"`expert_names` must be unique, got {list(expert_names)}")
-        if weights is not None and len(weights) != len(expert_names):
-            raise ValueError(f"`weights` must hold one weight per expert ({len(expert_names)}), got {len(weights)}")
         self.names = list(expert_names)
         self.k = len(self.names)
         self.vocab_size = int(vocab_size)
-        self.weights = [1.0] * self.k if weights is None else [float(w) for w in weights]
+        self.weights = check_weights(weights, self.k) or [1.0] * self.k
         self.settings = settings or OverlapSettings()
         self.decode = decode
         self.positions = 0

@@ -81,6 +81,8 @@ CASES = [
     Case("measure-mask-all-zero", "silent", _measure(_batch(measure_mask=torch.zeros(1, 4, dtype=torch.bool))),
          r"nothing was measured: `measure_mask`.*no position in the 1 batches \(1 rows\)"),
     Case("accumulator-report-without-positions", "silent", accumulator_without_positions, r"nothing to report.*0 positions"),
+    Case("accumulator-weights-nan", "silent", lambda env: Api(lambda: OverlapAccumulator(["a", "b"], 8, weights=[math.nan, 1.0])),
+         r"`weights\[0\]` must be a finite number, got nan"),
     Case("measure-batch-without-input-ids", "traceback", _measure({"ids": torch.tensor([[4, 5]])}),
          r"batch 0 has no `input_ids` \(its keys: \['ids'\]\)"),
     Case("measure-batch-not-a-mapping", "traceback", _measure([[4, 5, 6]]), r"batch 0 must be a mapping.*got list"),
