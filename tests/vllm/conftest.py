@@ -7,7 +7,6 @@ and 60 letters and digits). One `vllm.LLM` per test module (`vllm_engine`): each
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
 
@@ -26,13 +25,13 @@ else:
     from benchmarks.lm_eval import benchmark_characters
     from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
     from composition.vllm_folder import build_vllm_model
+    from vllm_engines import VOCAB
 
-VOCAB = 64
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 def vllm_test_config():
-    return tiny_llama_config(vocab_size=VOCAB, hidden_size=64, num_heads=2, initializer_range=0.5)
+    return tiny_llama_config(vocab_size=VOCAB, hidden_size=64, num_heads=2, initializer_range=0.35)
 
 
 @pytest.fixture(scope="session")
@@ -69,24 +68,3 @@ def composed_folders(component_folders, tmp_path_factory):
         "full": build_vllm_model(root / "full", folders["base"], [folders["full_a"], folders["full_b"]]),
         "lora": build_vllm_model(root / "lora", folders["base"], [folders["lora_a"], folders["lora_b"]], weights=[1.0, 0.5]),
     }
-
-
-def prompts(count: int = 8, seed: int = 0) -> list[list[int]]:
-    """`count` prompts of token ids (lengths 3 to 17), none with a special token."""
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(3, 18, (count,), generator=generator).tolist()
-    return [torch.randint(4, VOCAB, (length,), generator=generator).tolist() for length in lengths]
-
-
-def start_engine(model_folder, **options):
-    from vllm import LLM
-
-    return LLM(model=str(model_folder), dtype="float32", max_model_len=128, enforce_eager=True, seed=0, **options)
-
-
-def stop_engine(engine) -> None:
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    del engine
-    gc.collect()
-    cleanup_dist_env_and_memory()
