@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from peft import PeftModel
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -19,6 +18,7 @@ from analysis.measure import measure_overlap, rollout_batches
 from analysis.report import write_outputs
 from analysis.streaming import OverlapSettings
 from composition import ComposedLM
+from composition.adapters import merged_adapter_model
 from composition.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
 from composition.model import is_adapter_source
 from merging import TaskVector, merge
@@ -92,21 +92,20 @@ def _device(choice: str) -> str:
     return choice
 
 
-def _load_causal_lm(source: str, base: str, device: str):
-    """A full model from a checkpoint, or base + adapter merged (`merge_and_unload`)."""
-    if is_adapter_source(source):
-        model = AutoModelForCausalLM.from_pretrained(base)
-        return PeftModel.from_pretrained(model, source).merge_and_unload().eval().to(device)
+def _load_causal_lm(source: str, base: str, device: str, argument: str = "merged"):
+    """A full model from a checkpoint, or base + adapter merged (`merge_and_unload`, after checking that it fits)."""
+    if is_adapter_source(source, argument):
+        return merged_adapter_model(AutoModelForCausalLM.from_pretrained(base), source, argument).eval().to(device)
     return AutoModelForCausalLM.from_pretrained(source).eval().to(device)
 
 
 def _task_vector(base_model, base: str, expert: str, device: str):
     """τ = θ_expert − θ_base: dense ΔW for an adapter, lazy per-tensor reads for local checkpoints."""
-    if is_adapter_source(expert):
+    if is_adapter_source(expert, "experts"):
         return TaskVector.from_lora(base_model, expert)
     if Path(base).is_dir() and Path(expert).is_dir():
         return TaskVector.from_checkpoints(base, expert)
-    return TaskVector.from_models(base_model, _load_causal_lm(expert, base, device))
+    return TaskVector.from_models(base_model, _load_causal_lm(expert, base, device, "experts"))
 
 
 def _rollout_sources(rollouts: list[str], expert_names: list[str]) -> list[str]:

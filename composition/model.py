@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from peft import PeftConfig, PeftModel
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -34,9 +33,10 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from composition.adapters import TrainingFlags, check_adapter_names, load_adapters_on_base
+from composition.adapters import TrainingFlags, check_adapter_names, load_adapters_on_base, merged_adapter_model
 from composition.remedies import compose_with_remedies
 from composition.rule import check_weights
+from composition.sources import check_model_source, source_kind
 from composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
 
 logger = logging.getLogger(__name__)
@@ -388,7 +388,8 @@ class ComposedLM:
         if len(experts) == 0:
             raise ValueError("`experts` must name at least one checkpoint or adapter, got none")
         _check_weights(weights, len(experts))
-        is_adapter = [is_adapter_source(expert) for expert in experts]
+        base = check_model_source(base, "base", adapter_hint="give its base as `base` and the adapter as an expert")
+        is_adapter = [is_adapter_source(expert, f"experts[{index}]") for index, expert in enumerate(experts)]
         if names is None:
             names = [_name_from_path(expert, index) for index, expert in enumerate(experts)]
             if len(set(names)) != len(names):
@@ -404,10 +405,10 @@ class ComposedLM:
                 remedies=remedies,
             )
         expert_models, tokenizers = [], [tokenizer]
-        for expert, adapter in zip(experts, is_adapter):
+        for index, (expert, adapter) in enumerate(zip(experts, is_adapter)):
             if adapter:
                 fresh_base = AutoModelForCausalLM.from_pretrained(base, **model_kwargs)
-                expert_models.append(PeftModel.from_pretrained(fresh_base, expert).merge_and_unload().eval())
+                expert_models.append(merged_adapter_model(fresh_base, expert, f"experts[{index}]").eval())
                 tokenizers.append(tokenizer)
             else:
                 expert_models.append(AutoModelForCausalLM.from_pretrained(expert, **model_kwargs).eval())
@@ -823,16 +824,13 @@ def _check_tokenizers(tokenizers, n_components: int):
     return tokenizers[0]
 
 
-def is_adapter_source(source: str | os.PathLike) -> bool:
-    """True if `source` (a local folder or hub id) holds a peft adapter rather than a full model."""
-    path = Path(source)
-    if path.exists():
-        return (path / "adapter_config.json").is_file()
-    try:
-        PeftConfig.from_pretrained(str(source))
-        return True
-    except Exception:  # noqa: BLE001 - any failure to find an adapter config means "not an adapter"
-        return False
+def is_adapter_source(source: str | os.PathLike, argument: str = "source") -> bool:
+    """True if `source` (a local folder or hub id) holds a peft adapter rather than a full model.
+
+    A missing local folder, or one that is neither, raises a ValueError naming `argument`
+    (`composition.sources.source_kind`).
+    """
+    return source_kind(source, argument) == "adapter"
 
 
 def _try_load_tokenizer(source):

@@ -69,7 +69,7 @@ def single_systems(config: LmEvalCompareConfig) -> dict[str, System]:
     """`base` and every `expert:<name>` (an adapter is scored on the base, as peft runs it)."""
     systems = {"base": hf_system("base", config, config.base)}
     for name, source in config.experts.items():
-        if is_adapter_source(source):
+        if is_adapter_source(source, f"experts.{name}"):
             systems[f"expert:{name}"] = hf_system(f"expert:{name}", config, config.base, peft=source,
                                                   identity={"pretrained": source_identity(config.base), "peft": source_identity(source)})
         else:
@@ -150,7 +150,7 @@ def _merge_in_memory(config: LmEvalCompareConfig, build: MergeBuild, experts: li
 def dense_checkpoint(config: LmEvalCompareConfig, name: str, cache: Path) -> str:
     """Expert `name` as a full checkpoint folder: itself, or for a LoRA adapter the base + ΔW with the base's tokenizer."""
     source = config.experts[name]
-    if not is_adapter_source(source):
+    if not is_adapter_source(source, f"experts.{name}"):
         return source
     key = fingerprint({"base": source_identity(config.base), "adapter": source_identity(source), "dtype": config.dtype})
     target = cache / f"dense-{slug(name)}-{key}"
