@@ -21,6 +21,7 @@ from composition import ComposedLM
 from composition.adapters import merged_adapter_model
 from composition.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
 from composition.model import is_adapter_source
+from composition.sources import check_tokenizer_source
 from merging import TaskVector, merge
 
 
@@ -134,11 +135,13 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     refuse_output_over_inputs(config.out, inputs, "`out`")
     refuse_existing(config.out, config.overwrite)
     records = read_jsonl(config.data, config.max_records)  # before any model loads: a bad file fails fast
+    # The tokenizer too: loading it is quick, and a bad one should not cost loading every model first.
+    tokenizer = AutoTokenizer.from_pretrained(check_tokenizer_source(config.tokenizer, "tokenizer")) if config.tokenizer else None
     device = _device(config.device)
     k = len(config.experts)
     composed = ComposedLM.from_pretrained(config.base, experts=config.experts, weights=[config.lam] * k, device_map=device)
     sources = _rollout_sources(config.rollouts, composed.expert_names)
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer) if config.tokenizer else composed.tokenizer
+    tokenizer = tokenizer or composed.tokenizer
     if tokenizer is None:
         raise ValueError(f"no tokenizer found in `base` {config.base!r}; pass `tokenizer`")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

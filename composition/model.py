@@ -17,6 +17,7 @@ import logging
 import math
 import numbers
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -535,6 +536,7 @@ class ComposedLM:
         *,
         stop_strings: str | Sequence[str] | None = None,
         tokenizer=None,
+        truncate: bool = False,
     ) -> torch.Tensor:
         """Decode from the composed distribution with one KV cache per component (or one shared one).
 
@@ -565,11 +567,20 @@ class ComposedLM:
         generated token. A task that couples output positions to input positions can give
         `position_ids` `(B, T)` for the prompt and `generated_position_ids` `(B, max_new_tokens)`,
         the position of each generated token.
+
+        A prompt whose length plus `max_new_tokens` exceeds the model's context is an error; with
+        `truncate=True` its oldest tokens are dropped (left truncation, as lm-evaluation-harness
+        does) so that it fits, with a warning that says how many. The returned rows then start
+        with the kept part of the prompt.
         """
         self._check_open()
         _check_decoding(max_new_tokens, do_sample, temperature, top_k, top_p, seed)
         stop_criteria = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer)
+        if truncate and (position_ids is not None or generated_position_ids is not None):
+            raise ValueError("`truncate=True` needs the default positions; drop `position_ids` and `generated_position_ids`")
         input_ids, attention_mask, position_ids = self._prepare(input_ids, attention_mask, position_ids)
+        if truncate:
+            input_ids, attention_mask, position_ids = self._truncate_prompt(input_ids, attention_mask, max_new_tokens)
         _check_left_padded(attention_mask)
         eos_ids, pad_id = self._special_ids(eos_token_id, pad_token_id)
         warpers = _warpers(do_sample, temperature, top_k, top_p)
@@ -664,6 +675,27 @@ class ComposedLM:
             )
         return input_ids, attention_mask, position_ids.to(self.device)
 
+    def _truncate_prompt(self, input_ids, attention_mask, max_new_tokens: int):
+        """Keep the last `context - max_new_tokens` columns of a (left-padded) prompt, and say so."""
+        limit = self.context_length
+        if limit is None or input_ids.shape[1] + max_new_tokens <= limit:
+            return input_ids, attention_mask, _position_ids(attention_mask)
+        keep = limit - max_new_tokens
+        if keep < 1:
+            raise ValueError(
+                f"`max_new_tokens`={max_new_tokens} leaves no room for a prompt in the model's context of {limit}"
+            )
+        dropped = attention_mask[:, :-keep].sum(dim=1)  # (B,) real tokens cut from each row
+        warnings.warn(
+            f"truncate: cut the oldest tokens of {int((dropped > 0).sum())} of {input_ids.shape[0]} prompts "
+            f"(up to {int(dropped.max())} tokens) to fit {keep} prompt + {max_new_tokens} new tokens into the "
+            f"model's context of {limit}",
+            UserWarning,
+            stacklevel=3,
+        )
+        attention_mask = attention_mask[:, -keep:]
+        return input_ids[:, -keep:], attention_mask, _position_ids(attention_mask)
+
     def _check_context(self, positions: torch.Tensor, what: str) -> None:
         """Refuse positions beyond the model's context: past it a model fails or silently degrades."""
         limit = self.context_length
@@ -671,7 +703,7 @@ class ComposedLM:
         if limit is not None and needed > limit:
             raise ValueError(
                 f"{what} needs {needed} positions, beyond the model's context of {limit} (`max_position_embeddings`); "
-                "shorten it"
+                "shorten it (`generate` can cut a prompt's oldest tokens with truncate=True)"
             )
 
     def _special_ids(self, eos_token_id, pad_token_id):

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import warnings
 
 import pytest
 import torch
@@ -277,6 +278,23 @@ def test_context_length_is_a_limit_not_a_truncation(composed_full):
     composed_full.logprobs(torch.full((1, limit), 5))
     with pytest.raises(ValueError, match=rf"needs {limit + 1} positions"):
         composed_full.logprobs(torch.full((1, limit + 1), 5))
+
+
+def test_truncate_keeps_the_newest_prompt_tokens_and_says_so(composed_full):
+    limit = composed_full.context_length
+    ids, mask = left_padded_batch([limit + 5, 10])  # row 0 is 5 + 3 tokens too long for 3 new tokens
+    with pytest.warns(UserWarning, match=rf"cut the oldest tokens of 1 of 2 prompts \(up to 8 tokens\).*context of {limit}"):
+        out = composed_full.generate(ids, mask, max_new_tokens=3, eos_token_id=[], truncate=True)
+    kept = limit - 3
+    expected = composed_full.generate(ids[:, -kept:], mask[:, -kept:], max_new_tokens=3, eos_token_id=[])
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        composed_full.generate(ids, mask, max_new_tokens=limit, truncate=True)
+    with warnings.catch_warnings(record=True) as record:  # a prompt that fits is not touched, and not warned about
+        warnings.simplefilter("always")
+        fits = composed_full.generate(ids[1:, -10:], mask[1:, -10:], max_new_tokens=3, eos_token_id=[], truncate=True)
+    assert not [w for w in record if "truncate" in str(w.message)]
+    assert torch.equal(fits, composed_full.generate(ids[1:, -10:], mask[1:, -10:], max_new_tokens=3, eos_token_id=[]))
 
 
 def test_sampling_settings_follow_transformers_warpers(composed_full):

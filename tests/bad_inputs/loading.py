@@ -89,6 +89,11 @@ def overlap_cli_base_missing(env):
                 "--out", str(env.tmp / "out")])
 
 
+def overlap_cli_tokenizer_missing(env):
+    return Cli(["overlap", "--base", str(env.checkpoints / "base"), "--expert", _expert(env), "--data", _data(env),
+                "--tokenizer", "./missing_tokenizer", "--out", str(env.tmp / "out")])
+
+
 def composed_api_expert_missing_under_existing_folder(env):
     (env.tmp / "models").mkdir()  # `models/missing` is local: its parent folder exists
     call = _in_folder(env.tmp, lambda: ComposedLM.from_pretrained(str(env.checkpoints / "base"), experts=["models/missing"]))
@@ -166,6 +171,7 @@ OFFLINE = r"not a local folder, so it is a hub id, and HF_HUB_OFFLINE is set but
 
 CASES = [
     Case("overlap-cli-base-missing", "misleading", overlap_cli_base_missing, r"`base` '\./missing_base': no such folder"),
+    Case("overlap-cli-tokenizer-missing", "misleading", overlap_cli_tokenizer_missing, r"`tokenizer` '\./missing_tokenizer': no such folder"),
     Case("composed-api-expert-missing-under-existing-folder", "misleading", composed_api_expert_missing_under_existing_folder,
          r"`experts\[0\]` 'models/missing': no such folder"),
     Case("task-vector-cli-finetuned-missing", "misleading", task_vector_cli_finetuned_missing, r"`finetuned\[0\]` '\./no_such_expert': no such folder"),
