@@ -48,7 +48,7 @@ from tasks.evaluate import (
 )
 from tasks.registry import compare_kind_of
 from tasks.report import format_tables, plot_lengths, write_markdown
-from tasks.run_folder import check_run_dir
+from tasks.run_folder import claim_run_dir
 from tasks.remedies import remedy_system_name
 
 # `type: lm_eval` compares (checkpoints scored by lm-evaluation-harness) register their compare
@@ -87,7 +87,8 @@ def run_compare(
     """Run the whole comparison and write `results.json`, `results.md`, `length.png`, `config.yaml` to `out_dir`.
 
     `out_dir` keeps its `checkpoints/` between runs (reused by hash). A folder that holds the
-    results of another config, or that is not a compare folder, is refused unless `overwrite`.
+    results of another config, or that is not a compare folder, is refused unless `overwrite`; so is
+    one that another run is writing (`tasks.run_folder.claim_run_dir`), at once.
     `threads`: torch's intra-op threads during the run (restored after); the models are so
     small that one thread is fastest, and several are much slower on a loaded machine.
     Returns the results dict (the content of results.json).
@@ -118,11 +119,13 @@ class Setting:
 
 
 def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
-    started = time.perf_counter()
     config_hash = fingerprint(config)
-    check_run_dir(out_dir, config_hash, overwrite, "a compare run folder", cached=("checkpoints",))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with claim_run_dir(out_dir, config_hash, overwrite, "a compare run folder", cached=("checkpoints",)):
+        return _run_locked(config, config_hash, out_dir, progress, sections, echo)
 
+
+def _run_locked(config, config_hash: str, out_dir: Path, progress, sections, echo) -> dict:
+    started = time.perf_counter()
     main = _run_setting(config, out_dir, progress)
     components, data = main.context.components, main.context.data
     results = {

@@ -6,14 +6,20 @@
 
 Each hash covers only the settings that shape that checkpoint (an expert's includes its base's
 hash), so changing the evaluation or the merges retrains nothing, and changing the expert
-recipe keeps the base. A folder is complete once its `training.json` exists; it is written into
-a temporary folder beside it and renamed into place.
+recipe keeps the base. A folder is written into a temporary folder beside it, `manifest.json`
+(every file's size) last, and renamed into place; before it is reused, its files are checked
+against the manifest, and one that fails (a truncated or missing file) is trained again with a
+warning that names the file. Runs that share a checkpoints folder (`skills-sweep --checkpoints`)
+run side by side: an entry is locked shared while it is checked or loaded and exclusively while
+it is trained, and a run that waited for another's training reuses its result.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +27,8 @@ from pathlib import Path
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from composition.io import atomic_output_dir
+from composition.io import MANIFEST_NAME, atomic_output_dir, manifest_problem, safetensors_problem, write_manifest
+from composition.locks import entry_lock
 from merging import train_model
 from tasks.config import CompareConfig, TrainingSettings, fingerprint
 from tasks.formats import SequenceFormat
@@ -65,17 +72,25 @@ class Components:
 
     def load_base(self) -> PreTrainedModel:
         """A fresh copy of the base (callers may modify it)."""
-        return AutoModelForCausalLM.from_pretrained(self.base_dir).eval()
+        return load_checkpoint(self.base_dir).eval()
 
     def load_expert(self, name: str) -> PreTrainedModel:
-        expert = AutoModelForCausalLM.from_pretrained(self.experts[name]).eval()
+        expert = load_checkpoint(self.experts[name]).eval()
         if self.expert_variant is None:
             return expert
         return self.expert_variant(self.load_base(), expert, name)
 
     def load_adapter(self, name: str) -> PeftModel:
         """The LoRA expert `name` on its own fresh copy of the base (unmerged, as peft runs it)."""
-        return PeftModel.from_pretrained(self.load_base(), str(self.adapters[name])).eval()
+        base = self.load_base()
+        with entry_lock(self.adapters[name], exclusive=False):
+            return PeftModel.from_pretrained(base, str(self.adapters[name])).eval()
+
+
+def load_checkpoint(folder: Path) -> PreTrainedModel:
+    """The model of a cached checkpoint, read under the entry's shared lock (no run replaces it meanwhile)."""
+    with entry_lock(folder, exclusive=False):
+        return AutoModelForCausalLM.from_pretrained(folder)
 
 
 def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = True) -> Components:
@@ -108,14 +123,24 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
         """Training batches for the base (`skill` None) or an expert, from the task type."""
         return task.training_strings(skill, tokenizer, fmt, settings, derived_seed(config.training.seed, "data", *labels))
 
+    notice = (lambda line: print(line, file=sys.stderr)) if progress else None
+
     def checkpoint(label: str, recipe: dict, make: Callable[[Path], dict]) -> Path:
         digest = fingerprint(recipe)
         target = root / f"{label}-{digest}"
-        cached = (target / "training.json").is_file()
+        with entry_lock(target, exclusive=False, notice=notice):
+            problem = entry_problem(target)
+        cached = problem is None
         if not cached:
-            # overwrite: an unfinished folder from an interrupted run (no training.json) is replaced.
-            with atomic_output_dir(target, overwrite=True) as folder:
-                _finish(folder, recipe, make(folder), tokenizer)
+            with entry_lock(target, exclusive=True, notice=notice):
+                problem = entry_problem(target)  # another run may have trained it while this one waited
+                cached = problem is None
+                if not cached:
+                    if target.exists():
+                        warnings.warn(f"cached checkpoint {target.name} cannot be reused ({problem}); training it again", UserWarning)
+                    # overwrite: a damaged folder (a truncated or a missing file) is replaced.
+                    with atomic_output_dir(target, overwrite=True) as folder:
+                        _finish(folder, recipe, make(folder), tokenizer)
         record = json.loads((target / "training.json").read_text())
         training[label] = {"fingerprint": digest, "cached": cached, "path": str(target), "log": record["log"]}
         return target
@@ -146,7 +171,7 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
         }
 
         def train_expert(folder: Path, name=name) -> dict:
-            model = AutoModelForCausalLM.from_pretrained(base_dir) if plan.init == "base" else new_model("expert", name)
+            model = load_checkpoint(base_dir) if plan.init == "base" else new_model("expert", name)
             log = train_model(model, strings(name, plan.full, "expert", name), plan.full, plan.full.total_steps,
                               description=f"expert {name}", progress=progress)
             model.save_pretrained(folder)
@@ -159,7 +184,7 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
             lora_recipe = {**recipe, "component": "lora", "base": base_recipe, "training": lora.model_dump(mode="json")}
 
             def train_adapter(folder: Path, name=name, lora=lora) -> dict:
-                base = AutoModelForCausalLM.from_pretrained(base_dir)
+                base = load_checkpoint(base_dir)
                 peft_model = get_peft_model(base, lora_config(lora, config.model.architecture))
                 settings = lora.training
                 log = train_model(peft_model, strings(name, settings, "lora", name), settings, settings.total_steps,
@@ -175,3 +200,19 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
 def _finish(folder: Path, recipe: dict, log: dict, tokenizer) -> None:
     tokenizer.save_pretrained(str(folder))
     (folder / "training.json").write_text(json.dumps({"recipe": recipe, "log": log}, indent=1))
+    write_manifest(folder)  # last: it covers every file above
+
+
+def entry_problem(folder: Path) -> str | None:
+    """Why the cached checkpoint `folder` cannot be reused (one line naming the file), or None if it can.
+
+    An entry needs its `training.json` and every file as large as its manifest says. An entry of
+    a version before manifests has its safetensors files checked against their own headers.
+    """
+    if not folder.is_dir():
+        return f"{folder} does not exist"
+    if not (folder / "training.json").is_file():
+        return f"{folder / 'training.json'} is missing"
+    if (folder / MANIFEST_NAME).exists():
+        return manifest_problem(folder)
+    return next(filter(None, map(safetensors_problem, sorted(folder.glob("*.safetensors")))), None)

@@ -40,6 +40,7 @@ from tasks.components import prepare_components
 from tasks.config import CompareConfig, MergeGrid, check_merge_grids, deep_merge, fingerprint
 from tasks.evaluate import ComposedSystem, EvalSet, ModelSystem, greedy_outputs
 from tasks.merge_selection import merged_model, search_merges
+from tasks.run_folder import hold_run_folder
 from tasks.letters.sweep_stats import plot_overlap_against_error, spearman, two_by_two
 
 
@@ -146,7 +147,7 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
     """Train (or load) every expert, measure every pair, write sweep.json, sweep.md, overlap_vs_error.png, config.yaml.
 
     `out_dir/checkpoints` is kept between runs (reused by hash). Results of another config in
-    `out_dir` are refused unless `overwrite`.
+    `out_dir` are refused unless `overwrite`; a folder that another run is writing is refused at once.
     """
     started = time.perf_counter()
     out_dir = Path(out_dir)
@@ -154,13 +155,17 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
     if compare.task.formulation != "seq2seq":
         raise ValueError(f"the sweep decodes greedily and needs the seq2seq formulation, got {compare.task.formulation!r}")
     config_hash = fingerprint(config.model_dump(mode="json"), compare)
-    results_path = out_dir / "sweep.json"
-    if results_path.is_file() and not overwrite:
-        previous = json.loads(results_path.read_text()).get("config_hash")
-        if previous != config_hash:
-            raise FileExistsError(f"{out_dir} holds a sweep of another config (hash {previous}); pass overwrite=True")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with hold_run_folder(out_dir):
+        results_path = out_dir / "sweep.json"
+        if results_path.is_file() and not overwrite:
+            previous = json.loads(results_path.read_text()).get("config_hash")
+            if previous != config_hash:
+                raise FileExistsError(f"{out_dir} holds a sweep of another config (hash {previous}); pass overwrite=True")
+        return _run_sweep_locked(config, compare, config_hash, out_dir, progress, started)
 
+
+def _run_sweep_locked(config: SweepConfig, compare: CompareConfig, config_hash: str, out_dir: Path, progress: bool,
+                      started: float) -> dict:
     components = prepare_components(compare, out_dir, progress)
     task = compare.task.letter_task()
     fmt, tokenizer = components.format, components.tokenizer

@@ -9,7 +9,8 @@
 
 Before any model loads, the task names and the code-execution opt-in are checked again (with the
 tiny tasks written), and the folder is checked: one that holds the results of another config is
-refused unless `overwrite`. A killed run, restarted, evaluates only the cells it had not written.
+refused unless `overwrite`, and one that another run is writing is refused at once. A killed run,
+restarted, evaluates only the cells it had not written (and removes the temporaries it left).
 Merge grids with more than one point are chosen on `merge_selection` (best first, ties to the
 first point); the other points' merged folders are then deleted (their scores stay in cells/).
 """
@@ -38,7 +39,7 @@ from tasks.lm_eval.config import LmEvalCompareConfig
 from tasks.lm_eval.report import plot_bars, results_table, write_markdown
 from tasks.lm_eval.systems import System, build_merge, composition_systems, plan_merge, single_systems
 from tasks.registry import register_compare_kind
-from tasks.run_folder import check_run_dir
+from tasks.run_folder import claim_run_dir
 
 # What a run folder may hold besides results.json before it counts as someone else's folder.
 _RUN_ENTRIES = {"config.yaml", "lm_eval_tasks", "cache", "cells", "samples", "results.md", "bars.png"}
@@ -62,10 +63,13 @@ def run_lm_eval_compare(
 
 
 def _run(config: LmEvalCompareConfig, out_dir: Path, overwrite: bool, progress: bool, echo) -> dict:
-    started = time.perf_counter()
     config_hash = fingerprint(config)
-    check_run_dir(out_dir, config_hash, overwrite, "an lm_eval compare folder", cached=_RUN_ENTRIES)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with claim_run_dir(out_dir, config_hash, overwrite, "an lm_eval compare folder", _RUN_ENTRIES, ("cache", "cells")):
+        return _run_locked(config, config_hash, out_dir, progress, echo)
+
+
+def _run_locked(config: LmEvalCompareConfig, config_hash: str, out_dir: Path, progress: bool, echo) -> dict:
+    started = time.perf_counter()
     atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
 
     local_names, local_paths = [], []

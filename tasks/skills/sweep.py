@@ -30,6 +30,7 @@ from pathlib import Path
 from composition.io import atomic_save_figure, atomic_write_text, markdown_table
 
 from tasks.compare import run_compare
+from tasks.run_folder import hold_run_folder
 from tasks.config import CompareConfig, fingerprint, load_config
 from tasks.evaluate import JOINT
 from tasks.skills.settings import SkillsTaskSettings
@@ -71,9 +72,18 @@ def run_skills_sweep(
     """Run every config (sharing checkpoints), then write the summary over k. Returns the summary.
 
     `checkpoints`: an existing checkpoints folder to share (e.g. another sweep's); by default
-    `out_dir/checkpoints`.
+    `out_dir/checkpoints`. Sweeps that share one run side by side: each checkpoint is trained by
+    the first that needs it, while the others wait for it (`tasks.components`). A folder that
+    another run is writing is refused at once.
     """
     out_dir = Path(out_dir)
+    if checkpoints is not None and not Path(checkpoints).is_dir():
+        raise ValueError(f"`checkpoints` must be an existing folder, got {str(checkpoints)!r}")
+    with hold_run_folder(out_dir):
+        return _run_locked(configs, out_dir, overwrite, progress, threads, echo, checkpoints)
+
+
+def _run_locked(configs, out_dir: Path, overwrite: bool, progress: bool, threads, echo, checkpoints) -> dict:
     summary_path = out_dir / "summary.json"
     key = fingerprint([config.model_dump(mode="json") for config in configs])
     if summary_path.is_file() and not overwrite:
@@ -86,9 +96,6 @@ def run_skills_sweep(
     shared = out_dir / "checkpoints"
     if checkpoints is not None:
         source = Path(checkpoints).resolve()
-        if not source.is_dir():
-            raise ValueError(f"`checkpoints` must be an existing folder, got {str(checkpoints)!r}")
-        out_dir.mkdir(parents=True, exist_ok=True)
         if not shared.exists() and not shared.is_symlink():
             shared.symlink_to(source, target_is_directory=True)
         elif shared.resolve() != source:
