@@ -7,6 +7,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import warnings
 
 import yaml
 from pydantic import ValidationError
@@ -58,13 +59,29 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         check_output_location(getattr(args, "out", None))
-        with command_settings(getattr(args, "threads", None), getattr(args, "quiet", False)):
+        with command_settings(getattr(args, "threads", None), getattr(args, "quiet", False)), warnings.catch_warnings():
+            warnings.simplefilter("always", UserWarning)  # what was done about the input: every time, not once
+            warnings.showwarning = _one_line_warning(args.command, warnings.showwarning)
             return int(args.func(args) or 0)
     except EXPECTED_ERRORS as error:
         if args.debug:
             raise
         print(f"mergecompose {args.command}: error: {error_message(error)}", file=sys.stderr)
         return 2
+
+
+def _one_line_warning(command: str, show_other):
+    """`warnings.showwarning` for a command: a UserWarning (what was done about the input) is one line,
+    `mergecompose COMMAND: warning: …`, as errors are; other categories (libraries' deprecations) go
+    to `show_other` as before."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, UserWarning):
+            return show_other(message, category, filename, lineno, file, line)
+        text = " ".join(str(message).split())
+        print(f"mergecompose {command}: warning: {text}", file=file or sys.stderr)
+
+    return show
 
 
 def error_message(error: BaseException) -> str:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-import warnings
-
 from analysis.report import terminal_table
 from analysis.run import OverlapRunConfig, run_overlap
 from composition.cli_common import add_common_flags
@@ -71,12 +68,7 @@ def config_from_args(args):
 
 def run_overlap_command(args) -> int:
     config = config_from_args(args)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", UserWarning)
-        results = run_overlap(config, progress=not args.quiet)
-    for warning in caught:  # what was done about the input (records cut, unknown tokens): one line each
-        if issubclass(warning.category, UserWarning):
-            print(f"mergecompose overlap: warning: {warning.message}", file=sys.stderr)
+    results = run_overlap(config, progress=not args.quiet)  # its warnings: one line each (mergecompose_cli.main)
     print(terminal_table(results))
     if not args.quiet:
         print(f"\nwrote {config.out}/overlap.json, overlap.md, config.yaml and plots")
