@@ -189,6 +189,7 @@ def merge_checkpoints(
     model*.safetensors, mergekit_config.yml) and, for our config, `mergecompose_config.yaml`;
     it loads with `AutoModelForCausalLM.from_pretrained`.
     """
+    from mergekit.card import generate_card
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
@@ -216,8 +217,12 @@ def merge_checkpoints(
     if ours is not None and ours.model_extra.get("seed") is not None:
         defaults["random_seed"] = ours.model_extra["seed"]
     merge_options = MergeOptions(**{**defaults, **dict(options or {})})
+    config_source = yaml.safe_dump(mergekit_dict, sort_keys=False)
     with atomic_output_dir(out_dir, overwrite) as folder:
-        run_merge(merge_configuration, str(folder), merge_options, config_source=yaml.safe_dump(mergekit_dict, sort_keys=False))
+        run_merge(merge_configuration, str(folder), merge_options, config_source=config_source)
+        if (folder / "README.md").is_file():  # mergekit titles its model card with the folder it wrote: ours is temporary
+            card = generate_card(config=merge_configuration, config_yaml=config_source, name=Path(out_dir).name)
+            (folder / "README.md").write_text(card, encoding="utf-8")
         if not allow_nonfinite:
             _check_merged_output(folder)
         if ours is not None:

@@ -130,7 +130,7 @@ def _holds(folder: Path, process: subprocess.Popen):
 
 
 def _files(folder: Path) -> dict[str, bytes]:
-    """Every file's bytes, but mergekit's README.md's (it is titled with the name of the folder it was written in)."""
+    """Every file's bytes, but the model card's (README.md: it is titled with the output folder's name)."""
     return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*"))
             if path.is_file() and path.name != "README.md"}
 
@@ -183,7 +183,9 @@ def test_a_killed_merge_leaves_no_partial_output_and_the_rerun_removes_its_lefto
         assert not out.exists() or _files(out) == reference, f"killed {delay:.2f} s after the start"
 
     _rerun_naming_removals(argv, _leftovers(tmp_path))
-    assert _files(out) == reference and (out / "README.md").is_file()
+    assert _files(out) == reference
+    card = (out / "README.md").read_text()
+    assert "# merged" in card and ".tmp-" not in card  # titled with the output's name, not the temporary folder's
     assert _leftovers(tmp_path) == []
 
 
