@@ -241,6 +241,17 @@ def test_lora_experts_are_merged_from_their_delta_weights(native_run, tmp_path):
     assert any(not torch.equal(tensor, base.state_dict()[name]) for name, tensor in merged.state_dict().items())
     assert (build.folder / "tokenizer.json").is_file()  # the base's tokenizer, through the dense experts
 
+    # A cached merge cut short (a full disk, a killed copy) is named and built again, not loaded.
+    weights = build.folder / "model.safetensors"
+    half = weights.read_bytes()[: weights.stat().st_size // 2]
+    weights.unlink()  # a new file: `merged` above still maps the old one
+    weights.write_bytes(half)
+    with pytest.warns(UserWarning, match=r"cached checkpoint merge-task_arithmetic-\w+ cannot be reused \(.*model\.safetensors"):
+        build_merge(config, build, tmp_path / "cache")
+    rebuilt = AutoModelForCausalLM.from_pretrained(build.folder).state_dict()
+    for name, tensor in rebuilt.items():
+        torch.testing.assert_close(tensor, expected[name], atol=1e-6, rtol=1e-5, msg=name)
+
 
 def _one_task(tmp_path):
     folder = tmp_path / "one_task"

@@ -16,13 +16,14 @@ like any other checkpoint.
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from composition.io import atomic_output_dir
+from composition.io import atomic_output_dir, manifest_problem, write_manifest
 from composition.model import is_adapter_source
 from merging import TaskVector, merge, merge_checkpoints
 from tasks.config import fingerprint
@@ -124,15 +125,27 @@ def plan_merge(config: LmEvalCompareConfig, method: str, params: dict, cache: Pa
 
 def build_merge(config: LmEvalCompareConfig, build: MergeBuild, cache: Path) -> Path:
     """The merged checkpoint folder of `build` (mergekit; LoRA experts made dense first), built unless cached."""
-    if build.folder.is_dir():
+    if _reusable(build.folder):
         return build.folder
     experts = {name: dense_checkpoint(config, name, cache) for name in config.merged_experts()}
     if config.merge_definitions == "paper":
         _merge_in_memory(config, build, list(experts.values()))
-        return build.folder
-    options = {"device": config.device} if config.device != "cpu" else None
-    merge_checkpoints(config.merge_config(build.method, build.params, experts), build.folder, options=options)
+    else:
+        options = {"device": config.device} if config.device != "cpu" else None
+        merge_checkpoints(config.merge_config(build.method, build.params, experts), build.folder, overwrite=True, options=options)
+    write_manifest(build.folder)  # last: an entry without one (a run killed before this line) is built again
     return build.folder
+
+
+def _reusable(folder: Path) -> bool:
+    """Whether the cached checkpoint `folder` exists and agrees with its manifest; a damaged one is named in
+    a warning (and then built again by the caller)."""
+    if not folder.is_dir():
+        return False
+    problem = manifest_problem(folder)
+    if problem is not None:
+        warnings.warn(f"cached checkpoint {folder.name} cannot be reused ({problem}); building it again", UserWarning)
+    return problem is None
 
 
 def _merge_in_memory(config: LmEvalCompareConfig, build: MergeBuild, experts: list[str]) -> None:
@@ -154,10 +167,11 @@ def dense_checkpoint(config: LmEvalCompareConfig, name: str, cache: Path) -> str
         return source
     key = fingerprint({"base": source_identity(config.base), "adapter": source_identity(source), "dtype": config.dtype})
     target = cache / f"dense-{slug(name)}-{key}"
-    if not target.is_dir():
+    if not _reusable(target):
         with atomic_output_dir(target, overwrite=True) as folder:
             base = AutoModelForCausalLM.from_pretrained(config.base, dtype=DTYPES[config.dtype])
             base.load_state_dict(TaskVector.from_lora(base, source).apply_to(base.state_dict()))
             base.save_pretrained(folder)
             AutoTokenizer.from_pretrained(config.base).save_pretrained(str(folder))
+            write_manifest(folder)
     return str(target)
