@@ -1,0 +1,108 @@
+"""Composed decoding in vLLM against the base alone, on the CPU: tokens/s at batch 1 and 16, as ratios.
+
+Run in the vLLM environment (`make install-vllm`):
+
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m benchmarks.vllm_throughput
+
+A random Llama base (hidden 256, 4 layers, 4 heads, vocabulary 2,048, float32), two random LoRA experts (rank 8,
+every projection) and two full experts, saved to a temporary folder; `mergecompose vllm-model` folders for
+both compositions. Each system gets its own engine, one after the other in this process; each batch of
+prompts (length 16) decodes `--new-tokens` tokens greedily, EOS ignored, after one warm-up batch. Ratios are
+composed tokens/s over the base's, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from analysis.data import SPECIAL_TOKENS, char_tokenizer
+from benchmarks.lm_eval import benchmark_characters
+from benchmarks.report import write_results
+from composition.io import markdown_table
+from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
+from composition.vllm_folder import build_vllm_model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4, help="head_dim = hidden / heads must be >= 32 on the CPU")
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=2, help="timed batches per point (the best is kept)")
+    parser.add_argument("--out", default="benchmarks/results/vllm_throughput.json")
+    return parser
+
+
+def save_models(args, folder: Path) -> dict[str, Path]:
+    """The base (with a tokenizer) and the two compositions' model folders."""
+    config = tiny_llama_config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                               num_heads=args.heads, initializer_range=0.05)
+    base = random_llama(config, seed=0)
+    base.save_pretrained(folder / "base")
+    char_tokenizer(benchmark_characters(args.vocab - len(SPECIAL_TOKENS))).save_pretrained(folder / "base")
+    loras = [random_lora_adapter(base, folder / f"lora_{index}", seed=10 + index, rank=8, scale=0.05) for index in range(2)]
+    fulls = []
+    for index in range(2):
+        random_llama(config, seed=20 + index).save_pretrained(folder / f"full_{index}")
+        fulls.append(folder / f"full_{index}")
+    return {
+        "base": folder / "base",
+        "composed, 2 LoRA experts": build_vllm_model(folder / "composed_lora", folder / "base", loras),
+        "composed, 2 full experts": build_vllm_model(folder / "composed_full", folder / "base", fulls),
+    }
+
+
+def tokens_per_second(engine, args, batch: int) -> float:
+    from vllm import SamplingParams
+
+    generator = torch.Generator().manual_seed(batch)
+    prompts = [{"prompt_token_ids": torch.randint(len(SPECIAL_TOKENS), args.vocab, (16,), generator=generator).tolist()}
+               for _ in range(batch)]
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts, params, use_tqdm=False)  # warm-up
+    best = float("inf")
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        best = min(best, time.perf_counter() - start)
+    return sum(len(output.outputs[0].token_ids) for output in outputs) / best
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM  # after the environment above, which vLLM reads at import
+
+    results = {"settings": vars(args), "systems": {}}
+    with tempfile.TemporaryDirectory() as temporary:
+        for system, folder in save_models(args, Path(temporary)).items():
+            start = time.perf_counter()
+            engine = LLM(model=str(folder), dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+            started = time.perf_counter() - start
+            results["systems"][system] = {"start_s": started,
+                                          "tokens_per_s": {batch: tokens_per_second(engine, args, batch) for batch in args.batches}}
+            engine.llm_engine.engine_core.shutdown()
+            del engine
+            gc.collect()
+    base = results["systems"]["base"]["tokens_per_s"]
+    rows = [[system, f"{values['start_s']:.0f}",
+             *[f"{values['tokens_per_s'][batch]:.1f} ({values['tokens_per_s'][batch] / base[batch]:.2f}×)" for batch in args.batches]]
+            for system, values in results["systems"].items()]
+    print(markdown_table(["system", "engine start (s)", *[f"tokens/s at batch {batch} (× base)" for batch in args.batches]], rows))
+    write_results(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
