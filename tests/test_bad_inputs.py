@@ -35,9 +35,8 @@ def test_case_ids_are_unique():
     assert len(ids) == len(set(ids)), [i for i, n in Counter(ids).items() if n > 1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def tally():
-    yield
+def _write_tally() -> None:
+    """Rewrite the tally file (after every row, so that an interrupted run still counts what it ran)."""
     path = os.environ.get("MERGECOMPOSE_BAD_INPUT_TALLY")
     if path:
         counts = Counter((row["issue_class"], row["outcome"]) for row in _TALLY.values())
@@ -54,4 +53,5 @@ def test_bad_input_gets_one_clear_error(case, checkpoints, lora_dirs, base_model
               tiny_config=tiny_config, shared=[checkpoints, *lora_dirs.values()])
     result = run_case(case, env)
     _TALLY[case.id] = {"issue_class": case.issue_class, "outcome": result.outcome, "first_line": result.first_line[:300]}
+    _write_tally()
     assert result.outcome == "clear", f"{result.outcome}: {result.first_line!r} {result.detail}"

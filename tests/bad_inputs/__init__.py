@@ -9,7 +9,9 @@ the classes of the reliability issue:
 * ``misleading``: an error of the expected kind whose first line does not match;
 * ``traceback``: any other exception (the library's internals leaking out);
 * ``silent``: no error at all (exit 0, or the call returned);
-* ``data-loss``: an input file changed, was added or was deleted (checked first).
+* ``data-loss``: an input file changed, was added or was deleted (checked first);
+* ``late``: only with `MERGECOMPOSE_BAD_INPUT_ROW_SECONDS=N` (for counting what older code did):
+  still working after N seconds, so the input was not refused before the work started.
 
 Rows live in the modules of this package, one per area; each module exports `CASES`.
 """
@@ -19,13 +21,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import os
 import re
+import signal
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-OUTCOMES = ("clear", "misleading", "traceback", "silent", "data-loss")
+OUTCOMES = ("clear", "misleading", "traceback", "silent", "data-loss", "late")
 # The class each row belonged to when the issue was filed (what a user saw then; "clear" rows guard what held up).
 ISSUE_CLASSES = ("clear", "traceback", "silent", "misleading", "data-loss")
 
@@ -104,15 +108,50 @@ def run_case(case: Case, env: Env) -> Outcome:
     spec = case.build(env)
     inputs = [*env.shared, *spec.inputs]
     before = digest(inputs)
-    if isinstance(spec, Cli):
-        outcome = _run_cli(spec, case.expect)
-    else:
-        outcome = _run_api(spec, case.expect)
+    with _time_limit(int(os.environ.get("MERGECOMPOSE_BAD_INPUT_ROW_SECONDS", "0"))) as limit:
+        if isinstance(spec, Cli):
+            outcome = _run_cli(spec, case.expect)
+        else:
+            outcome = _run_api(spec, case.expect)
+    if limit.expired:
+        outcome = Outcome("late", "", f"still working after {limit.seconds} s: not refused before the work")
     after = digest(inputs)
     if after != before:
         changed = sorted(set(before.items()) ^ set(after.items()))
         return Outcome("data-loss", outcome.first_line, f"inputs changed: {changed[:4]}")
     return outcome
+
+
+class _OutOfTime(BaseException):
+    """Raised by the alarm of `_time_limit`; a BaseException, so that no `except Exception` takes it."""
+
+
+@dataclass
+class _Limit:
+    seconds: int
+    expired: bool = False
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int):
+    """Stop the block after `seconds` (0: no limit), recording that it ran out of time."""
+    limit = _Limit(seconds)
+    if seconds <= 0:
+        yield limit
+        return
+
+    def expire(signum, frame):
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield limit
+    except _OutOfTime:
+        limit.expired = True
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _run_cli(spec: Cli, expect: str) -> Outcome:
