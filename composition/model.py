@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
@@ -398,6 +399,7 @@ class ComposedLM:
         names = _check_names(names, len(experts))
         if all(is_adapter):
             check_adapter_names(names)
+        model_kwargs = _attention_that_caps(base, model_kwargs)
         base_model = AutoModelForCausalLM.from_pretrained(base, **model_kwargs).eval()
         tokenizer = _try_load_tokenizer(base)
         if all(is_adapter):
@@ -870,6 +872,17 @@ def _try_load_tokenizer(source):
         return AutoTokenizer.from_pretrained(source)
     except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer is valid
         return None
+
+
+def _attention_that_caps(base: str, model_kwargs: dict) -> dict:
+    """`model_kwargs`, with eager attention for a model that soft-caps attention logits (Gemma-2) unless
+    the caller chose one: some transformers versions load such a model with SDPA, which skips the cap."""
+    if "attn_implementation" in model_kwargs:
+        return model_kwargs
+    config = AutoConfig.from_pretrained(base, trust_remote_code=model_kwargs.get("trust_remote_code", False))
+    if getattr(config, "attn_logit_softcapping", None) is None:
+        return model_kwargs
+    return {**model_kwargs, "attn_implementation": "eager"}
 
 
 def _name_from_path(source, index: int) -> str:

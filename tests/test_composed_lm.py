@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 from peft import PeftModel
-from transformers import LlamaForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
 
 from composition import ComposedLM, compose_logprobs
 from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
@@ -486,3 +486,21 @@ def test_failed_from_adapters_leaves_the_base_as_it_was(tmp_path, tiny_config, l
     with pytest.raises(ValueError, match="`lora_implementation` must be one of"):
         ComposedLM.from_adapters(base, adapters, lora_implementation="fast")
     assert module_tree(base) == tree
+
+
+def test_a_model_that_caps_attention_logits_is_loaded_with_eager_attention(tmp_path):
+    """Gemma-2 soft-caps attention logits; some transformers versions load it with SDPA, which skips the cap."""
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, attn_logit_softcapping=5.0)
+    for name, seed in [("base", 0), ("expert", 1)]:
+        torch.manual_seed(seed)
+        Gemma2ForCausalLM(config).save_pretrained(tmp_path / name)
+    composed = ComposedLM.from_pretrained(tmp_path / "base", [tmp_path / "expert"])
+    assert [model.config._attn_implementation for model in composed.backend.models] == ["eager", "eager"]
+    # The caller's choice stands: SDPA is used, or refused by transformers itself (5.24 refuses it for Gemma-2).
+    try:
+        chosen = ComposedLM.from_pretrained(tmp_path / "base", [tmp_path / "expert"], attn_implementation="sdpa")
+    except ValueError as error:
+        assert "scaled_dot_product_attention" in str(error)
+    else:
+        assert chosen.base_model.config._attn_implementation == "sdpa"
