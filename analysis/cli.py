@@ -40,12 +40,22 @@ def add_commands(subparsers) -> None:
     overlap.add_argument("--epsilon", type=float, help="activity / support threshold ε in nats (default 0.1)")
     overlap.add_argument("--eta", type=float, help="support probability floor η (default 1e-3)")
     overlap.add_argument("--seed", type=int, help="reservoir seed")
+    overlap.add_argument(
+        "--centre", choices=["base_weighted_median", "median"],
+        help="how each delta is centred over the vocabulary (default base_weighted_median; median: each token counted once)",
+    )
+    overlap.add_argument(
+        "--full-vocabulary", action="store_true", default=None, dest="full_vocabulary",
+        help="compute the centre, supports, overlap sums and top tokens over the whole vocabulary at every position, "
+        "instead of on the top-k union (whose outside mass the report gives)",
+    )
+    overlap.add_argument("--candidates", type=int, help="tokens in the top-k union per position (default 256)")
     add_common_flags(overlap, out="output folder (refused if it exists, unless --overwrite)")
     overlap.set_defaults(overwrite=None)  # unset: the config's `overwrite` (or its default) applies
     overlap.set_defaults(func=run_overlap_command)
 
 
-_SETTINGS_FLAGS = ("epsilon", "eta", "seed")
+_SETTINGS_FLAGS = ("epsilon", "eta", "seed", "centre", "full_vocabulary", "candidates")
 _RUN_FLAGS = (
     "base", "experts", "merged", "data", "out", "overwrite", "tokenizer", "lam", "batch_size", "max_length",
     "max_records", "truncate", "rollouts", "max_new_tokens", "prompt_tokens", "parameter_density", "parameter_measures", "device",

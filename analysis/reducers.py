@@ -19,6 +19,7 @@ Each uses only the public pure functions of `analysis.diagnostics`.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Literal
 
@@ -26,6 +27,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from analysis import diagnostics as dx
+from composition.rule import LOGPROB_FLOOR
 
 
 class OverlapSettings(BaseModel):
@@ -39,8 +41,14 @@ class OverlapSettings(BaseModel):
       for each; `heatmap_sequences`: sequences whose per-position activity is kept for the plot;
     * `top_tokens`: per expert, how many of the tokens with the largest mean |δ̃| are listed;
     * `centre`: how each delta is centred over the vocabulary before the overlap
-      (`analysis.diagnostics.centred_deltas`): "median" (the issue's definition) or
-      "base_weighted_median";
+      (`analysis.diagnostics.centred_deltas`): "base_weighted_median" (the default: set by where
+      the base's mass is, and cheap to find on the top-k union) or "median" (each token counted
+      once; a selection over V per position);
+    * `full_vocabulary`: compute the centre, supports, overlap sums, top tokens and restricted
+      projective error over all V tokens at every position. By default (False) they are computed
+      on the `candidates` tokens U with the largest max(p_b, p_i…, q) at each position (the union
+      of each one's top tokens), and the report gives the mass outside U (`vocabulary`) and
+      bounds on each pair's mass overlap;
     * `seed`: the reservoir's random generator.
     """
 
@@ -53,7 +61,9 @@ class OverlapSettings(BaseModel):
     top_k: int = Field(5, ge=1)
     heatmap_sequences: int = Field(8, ge=0)
     top_tokens: int = Field(10, ge=0)
-    centre: Literal["median", "base_weighted_median"] = "median"
+    centre: Literal["median", "base_weighted_median"] = "base_weighted_median"
+    full_vocabulary: bool = False
+    candidates: int = Field(256, ge=1)
     seed: int = 0
 
     @field_validator("epsilons")
@@ -145,78 +155,280 @@ def token_labels(ids: list[int], decode=None) -> list:
 
 
 # ---------------------------------------------------------------------------------------------
-# One batch, computed once
+# One set of positions, computed once
 
 
 @dataclass
 class MeasuredBatch:
-    """What every reducer reads from one batch, computed once. N = the measured positions, row-major.
+    """What the position reducers read from a set of n measured positions, computed once.
 
-    Log-probs are re-normalised in float32 (`log_softmax`); the probabilities are their `exp`.
+    Per-position statistics that are one sum over the vocabulary (the KLs, the interaction
+    residual) are always computed over all V tokens. The statistics that look at single tokens
+    (centre, supports, overlap sums, top tokens, restricted projective error) are computed on
+    M *measured columns*: all V (`settings.full_vocabulary`), or per position the
+    `settings.candidates` tokens U with the largest max(p_b, p_i…, q) (`columns`), where the
+    mass each distribution puts outside U is kept in `outside_mass`.
+
+    On all V, log-probs are re-normalised in float32 (`log_softmax`); on U they are used as
+    given (normalised, checked). Probabilities are their `exp`.
     """
 
-    mask: torch.Tensor  # (B, T) bool, the measured positions
-    base: torch.Tensor  # (N, V) log p_b
-    experts: torch.Tensor  # (k, N, V) log p_i
-    composed: torch.Tensor  # (N, V) log q
-    base_probs: torch.Tensor  # (N, V)
-    expert_probs: torch.Tensor  # (k, N, V)
-    composed_probs: torch.Tensor  # (N, V)
-    activity: torch.Tensor  # (k, N) a_i = KL(p_i ‖ p_b)
-    active: torch.Tensor  # (k, N) bool, a_i > settings.epsilon
-    activity_grid: torch.Tensor  # (k, B, T), 0 where not measured
-    intervals: torch.Tensor  # (k, B, 2) active intervals [τ1, τ2); (-1, -1) where never active
-    centred: torch.Tensor  # (k, N, V) centred deltas δ̃_i
-    supports: torch.Tensor  # (k, N, V) bool supports S_i
-    merged: torch.Tensor | None  # (N, V) log m
-    scaled_experts: torch.Tensor | None  # (k, N, V) log-probs of θ_b + λτ_i, as given
-    # The batch as given, for the examples.
-    components: torch.Tensor  # (k+1, B, T, V)
-    composed_grid: torch.Tensor  # (B, T, V)
-    merged_grid: torch.Tensor | None  # (B, T, V)
-    input_ids: torch.Tensor | None  # (B, T)
-    attention_mask: torch.Tensor | None  # (B, T)
+    base: torch.Tensor  # (n, M) log p_b on the measured columns
+    experts: torch.Tensor  # (k, n, M) log p_i
+    composed: torch.Tensor  # (n, M) log q
+    base_probs: torch.Tensor  # (n, M)
+    expert_probs: torch.Tensor  # (k, n, M)
+    composed_probs: torch.Tensor  # (n, M)
+    activity: torch.Tensor  # (k, n) a_i = KL(p_i ‖ p_b), over V
+    active: torch.Tensor  # (k, n) bool, a_i > settings.epsilon
+    single_active: torch.Tensor  # (n,) KL(p_active ‖ q) over V, 0 where not eligible
+    single_eligible: torch.Tensor  # (n,) bool, |A_t| ≤ 1
+    centred: torch.Tensor  # (k, n, M) centred deltas δ̃_i
+    supports: torch.Tensor  # (k, n, M) bool supports S_i
+    columns: torch.Tensor | None  # (n, M) token ids of the measured columns; None = all V in order
+    outside_mass: torch.Tensor | None  # (k+2, n) mass of p_b, p_i…, q outside U
+    # An interval [c − below, c + above] around the centre c on U that also holds the centre over V; inf if unbounded.
+    centre_below: torch.Tensor | None  # (k, n)
+    centre_above: torch.Tensor | None  # (k, n)
+    delta_extent: torch.Tensor | None  # (k, n) max over V ∖ U of |δ_i − c| for c in that interval
+    merge_gap: torch.Tensor | None  # (n,) KL(q ‖ m) over V
+    top1_agree: torch.Tensor | None  # (n,) bool
+    residual_square: torch.Tensor | None  # (n,) Σ_v r² of the interaction residual
+    signal_square: torch.Tensor | None  # (n,) Σ_v of the squared centred composed logit change
+    linearization: torch.Tensor | None  # (k, n) linearization error of θ_b + λτ_i
 
     @property
     def num_positions(self) -> int:
         return self.base.shape[0]
 
     @classmethod
-    def select(
-        cls, components, mask, composed, merged, scaled_experts, input_ids, attention_mask, settings: OverlapSettings
+    def measure(
+        cls,
+        components: torch.Tensor,
+        composed: torch.Tensor,
+        merged: torch.Tensor | None,
+        scaled_experts: torch.Tensor | None,
+        weights: list[float],
+        settings: OverlapSettings,
+        pass_positions: int | None = None,
     ) -> MeasuredBatch:
-        """Normalise the measured positions once and compute the shared measures (arguments: `OverlapAccumulator.update`)."""
-        selected = torch.log_softmax(components[:, mask].float(), dim=-1)  # (k+1, N, V)
-        base, experts = selected[0], selected[1:]  # (N, V), (k, N, V)
-        log_q = torch.log_softmax(composed[mask].float(), dim=-1)  # (N, V)
-        probs = selected.exp()
-        base_probs, expert_probs = probs[0], probs[1:]
-        activity = dx.kl_from_logprobs(experts, expert_probs, base)  # (k, N)
-        activity_grid = torch.zeros(len(experts), *mask.shape, device=activity.device)  # (k, B, T)
-        activity_grid[:, mask] = activity
-        centred = dx.centred_deltas_from_logprobs(base, experts, centre=settings.centre, base_probs=base_probs)
-        return cls(
-            mask=mask,
-            base=base,
-            experts=experts,
-            composed=log_q,
-            base_probs=base_probs,
-            expert_probs=expert_probs,
-            composed_probs=log_q.exp(),
-            activity=activity,
-            active=dx.active_experts(activity, settings.epsilon),
-            activity_grid=activity_grid,
-            intervals=dx.active_intervals(activity_grid, settings.epsilon, mask),
-            centred=centred,
-            supports=dx.delta_supports_from_probs(centred, base_probs, expert_probs, settings.epsilon, settings.eta),
-            merged=None if merged is None else torch.log_softmax(merged[mask].float(), dim=-1),
-            scaled_experts=None if scaled_experts is None else scaled_experts[:, mask].float(),
-            components=components,
-            composed_grid=composed,
-            merged_grid=merged,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+        """Measure n positions: `components` `(k+1, n, V)`, `composed` and `merged` `(n, V)`,
+        `scaled_experts` `(k, n, V)`, log-probs in any float dtype.
+
+        The passes over V run on `pass_positions` positions at a time (default: `COMPILE_ROWS`
+        from `COMPILE_MIN_VOCAB` tokens on, else about 2^18 values per tensor), so that their
+        temporaries stay in cache instead of making several trips through memory per statistic.
+        """
+        n, V = composed.shape
+        step = pass_positions or (COMPILE_ROWS if V >= COMPILE_MIN_VOCAB else max(1, 2**18 // V))
+        parts = [
+            _measure_rows(
+                components[:, start : start + step], composed[start : start + step],
+                None if merged is None else merged[start : start + step],
+                None if scaled_experts is None else scaled_experts[:, start : start + step],
+                weights, settings,
+            )
+            for start in range(0, n, step)
+        ]
+        fields = {}
+        for name in cls.__dataclass_fields__:
+            values = [part[name] for part in parts]
+            if values[0] is None:
+                fields[name] = None
+            else:
+                fields[name] = torch.cat(values, dim=_POSITION_DIM.get(name, 0))
+        return cls(**fields)
+
+
+@dataclass
+class SequenceBatch:
+    """What the per-sequence reducers (intervals, examples) read from one batch as given."""
+
+    mask: torch.Tensor  # (B, T) bool, the measured positions
+    activity_grid: torch.Tensor  # (k, B, T), 0 where not measured
+    intervals: torch.Tensor  # (k, B, 2) active intervals [τ1, τ2); (-1, -1) where never active
+    components: torch.Tensor  # (k+1, B, T, V)
+    composed_grid: torch.Tensor  # (B, T, V)
+    merged_grid: torch.Tensor | None  # (B, T, V)
+    input_ids: torch.Tensor | None  # (B, T)
+    attention_mask: torch.Tensor | None  # (B, T)
+
+
+# Fields whose positions are on dim 1 (a leading k or k+2 axis); the rest have them on dim 0.
+_POSITION_DIM = {
+    "experts": 1, "expert_probs": 1, "activity": 1, "active": 1, "centred": 1, "supports": 1,
+    "outside_mass": 1, "centre_below": 1, "centre_above": 1, "delta_extent": 1, "linearization": 1,
+}
+
+
+def _measure_rows(components, composed, merged, scaled_experts, weights, settings: OverlapSettings) -> dict:
+    """`MeasuredBatch`'s fields for a few positions; see `MeasuredBatch.measure` for the shapes."""
+    if not settings.full_vocabulary:
+        return _union_rows(components, composed, merged, scaled_experts, weights, settings)
+    normalised = torch.log_softmax(components.float(), dim=-1)  # (k+1, n, V)
+    base, experts = normalised[0], normalised[1:]  # (n, V), (k, n, V)
+    log_q = torch.log_softmax(composed.float(), dim=-1)  # (n, V)
+    expert_probs = experts.exp()
+    activity = dx.kl_from_logprobs(experts, expert_probs, base)  # (k, n)
+    active = dx.active_experts(activity, settings.epsilon)
+    single, eligible = dx.single_active_error_from_logprobs(base, experts, log_q, active)
+    base_probs, composed_probs = base.exp(), log_q.exp()
+    centred = dx.centred_deltas_from_logprobs(base, experts, centre=settings.centre, base_probs=base_probs)
+    fields = dict(
+        activity=activity, active=active, single_active=single, single_eligible=eligible,
+        base=base, experts=experts, composed=log_q, base_probs=base_probs, expert_probs=expert_probs,
+        composed_probs=composed_probs, centred=centred, columns=None, outside_mass=None,
+        centre_below=None, centre_above=None, delta_extent=None,
+        supports=dx.delta_supports_from_probs(centred, base_probs, expert_probs, settings.epsilon, settings.eta),
+    )
+    fields.update(_merge_measures(base, experts, log_q, merged, scaled_experts, weights))
+    return fields
+
+
+def _merge_measures(base, experts, log_q, merged, scaled_experts, weights) -> dict:
+    """Per position over V: KL(q ‖ m), top-1 agreement, the interaction residual's sums, the linearization errors."""
+    fields = dict(merge_gap=None, top1_agree=None, residual_square=None, signal_square=None, linearization=None)
+    scaled = None if scaled_experts is None else scaled_experts.float()  # (k, n, V), as given
+    if scaled is not None and any(w != 1.0 for w in weights):  # at λ = 1 it is 0 by construction
+        fields["linearization"] = torch.stack(
+            [dx.linearization_error(scaled[i], base, experts[i], lam) for i, lam in enumerate(weights)]
+        )  # (k, n)
+    if merged is None:
+        return fields
+    log_m = torch.log_softmax(merged.float(), dim=-1)  # (n, V)
+    fields["merge_gap"] = dx.kl_from_logprobs(log_q, log_q.exp(), log_m)
+    fields["top1_agree"] = dx.top1_agreement(log_q, log_m)
+    if scaled is None:
+        return fields
+    residual = dx.interaction_residual(log_m, scaled, base)  # (n, V)
+    lam = torch.tensor(weights, device=base.device)[:, None, None]
+    signal = dx.centre((lam * (experts - base)).sum(0))  # (n, V): the composed logit change
+    fields["residual_square"] = residual.double().square().sum(-1)
+    fields["signal_square"] = signal.double().square().sum(-1)
+    return fields
+
+
+def vocabulary_sums(components: torch.Tensor, log_q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Everything the top-k union path needs from all V tokens, from one read of the log-probs.
+
+    Args:
+        components: `(k+1, n, V)` float32 normalised log-probs ℓ_c, base first; log_q: `(n, V)`.
+
+    Returns:
+        `kl_base` `(k, n)` = Σ_v p_i (ℓ_i − b) = KL(p_i ‖ p_b); `self_information` `(k+1, n)` =
+        Σ_v p_c ℓ_c; `cross_composed` `(k+1, n)` = Σ_v p_c log q; `mass` `(k+1, n)` = Σ_v p_c;
+        `delta_low`, `delta_high` `(k, n)`, the least and largest δ_i over V; `peak` `(n, V)` =
+        max(ℓ_b, ℓ_1…, log q), the largest log-prob any of them gives each token. 0·log 0 = 0.
+    """
+    probs = components.exp()  # (k+1, n, V)
+    present = probs > 0
+    base = components[0]
+    kl_base = torch.where(present[1:], probs[1:] * (components[1:] - base), 0.0).sum(-1)
+    self_information = torch.where(present, probs * components, 0.0).sum(-1)
+    cross_composed = torch.where(present, probs * log_q, 0.0).sum(-1)
+    deltas = components[1:].clamp(min=LOGPROB_FLOOR) - base.clamp(min=LOGPROB_FLOOR)  # (k, n, V)
+    peak = torch.maximum(components.amax(0), log_q)
+    return kl_base, self_information, cross_composed, probs.sum(-1), deltas.amin(-1), deltas.amax(-1), peak
+
+
+def tail_delta_range(components: torch.Tensor, peak: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The least and largest δ_i over the tokens outside U, from a second read of the log-probs.
+
+    Args:
+        components: `(k+1, n, V)` log-probs; peak: `(n, V)` from `vocabulary_sums`; threshold:
+            `(n,)` the least peak in U. Tokens with `peak ≤ threshold` count as outside (a superset
+            of V ∖ U where peaks tie, so the range is still a bound).
+
+    Returns:
+        `(low, high)`, each `(k, n)`; `(+inf, −inf)` where no token is outside.
+    """
+    deltas = components[1:].clamp(min=LOGPROB_FLOOR) - components[0].clamp(min=LOGPROB_FLOOR)  # (k, n, V)
+    outside = peak <= threshold[:, None]  # (n, V)
+    return torch.where(outside, deltas, float("inf")).amin(-1), torch.where(outside, deltas, float("-inf")).amax(-1)
+
+
+# The two passes compiled: one loop over V each instead of about twenty (measured 6x on the CPU at
+# V = 32,000). Used from `COMPILE_MIN_VOCAB` tokens on, where the one-off compilation (tens of
+# seconds, once per process and shape) pays; the rows are padded to `COMPILE_ROWS` so that one
+# shape serves every chunk. Without a working compiler they fall back to eager, once, with a warning.
+COMPILE_MIN_VOCAB = 4096
+COMPILE_ROWS = 64
+_compiled: dict = {"failed": False}
+
+
+def _pass(function, n: int, V: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`function(*tensors)`, compiled where it pays; every input and output has its n rows on dim −2
+    (`(…, n, V)` inputs, `(…, n)` outputs), or on dim −1 for `(n,)` inputs."""
+    if V < COMPILE_MIN_VOCAB or _compiled["failed"] or not hasattr(torch, "compile"):
+        return function(*tensors)
+    if function.__name__ not in _compiled:
+        _compiled[function.__name__] = torch.compile(function, dynamic=False)
+    padding = COMPILE_ROWS - n
+    if padding > 0:
+        tensors = tuple(
+            torch.nn.functional.pad(t, (0, padding) if t.dim() == 1 else (0, 0, 0, padding)) for t in tensors
         )
+    try:
+        results = _compiled[function.__name__](*tensors)
+    except Exception as error:  # noqa: BLE001 - any compiler failure: the eager function gives the same values
+        _compiled["failed"] = True
+        warnings.warn(f"torch.compile of the overlap's vocabulary pass failed ({type(error).__name__}); running it eagerly")
+        return function(*(t[..., :n] if t.dim() == 1 else t[..., :n, :] for t in tensors))
+    return tuple(result[..., :n, :] if result.shape[-1] == V and result.dim() == 2 else result[..., :n] for result in results)
+
+
+def _union_rows(components, composed, merged, scaled_experts, weights, settings: OverlapSettings) -> dict:
+    """The top-k union path: sums over V from one read (`vocabulary_sums`), token statistics on U.
+
+    U is, per position, the `settings.candidates` tokens with the largest max(p_b, p_i…, q). The
+    log-probs are used as given (they must be normalised; checked). The centre is taken over U
+    (`analysis.diagnostics.union_centre`); for the base-weighted median the interval it returns
+    also holds the centre over all V, which bounds what the restriction changes (`mass_overlap_bounds`).
+    """
+    components, log_q = components.float(), composed.float()  # (k+1, n, V), (n, V)
+    k, V = components.shape[0] - 1, components.shape[-1]
+    n = log_q.shape[0]
+    kl_base, self_information, cross_composed, mass, delta_low, delta_high, peak = _pass(vocabulary_sums, n, V, components, log_q)
+    worst = float((mass - 1).abs().max())
+    if not worst <= 1e-3:
+        raise ValueError(
+            f"`components` must be normalised log-probs (each position's probabilities summing to 1); a sum is off by {worst:.3g}. "
+            "Pass log_softmax of the logits, as ComposedLM.component_logprobs gives"
+        )
+    activity = kl_base.clamp(min=0)  # (k, n)
+    active = dx.active_experts(activity, settings.epsilon)
+    # KL(p_ref ‖ q), p_ref the one active expert or else the base (`single_active_error_from_logprobs`).
+    eligible = active.sum(0) <= 1  # (n,)
+    choice = torch.where(active.any(0), active.float().argmax(0) + 1, 0)  # (n,)
+    single = (self_information - cross_composed).gather(0, choice[None])[0].clamp(min=0)
+    fields = dict(
+        activity=activity, active=active, single_active=torch.where(eligible, single, 0.0), single_eligible=eligible,
+    )
+    fields.update(_merge_measures(components[0], components[1:], log_q, merged, scaled_experts, weights))
+
+    top = peak.topk(min(settings.candidates, V), dim=-1, sorted=False)
+    columns = top.indices.sort(dim=-1).values  # (n, M)
+    tail_low, tail_high = _pass(tail_delta_range, n, V, components, peak, top.values.amin(-1))  # (k, n) each
+    gathered = torch.cat([components.gather(-1, columns.expand(k + 1, *columns.shape)), log_q.gather(-1, columns)[None]])
+    probs = gathered.exp()  # (k+2, n, M)
+    outside_mass = (1 - probs.sum(-1)).clamp(min=0)  # (k+2, n)
+    base, experts = gathered[0], gathered[1 : k + 1]
+    deltas = experts.clamp(min=LOGPROB_FLOOR) - base.clamp(min=LOGPROB_FLOOR)  # (k, n, M)
+    bounded = settings.centre == "base_weighted_median"
+    centre_weights = probs[0] if bounded else torch.ones_like(probs[0])
+    centre, lower, upper = dx.union_centre(
+        deltas, centre_weights.expand_as(deltas), outside_mass[0].expand(k, -1), (delta_low, delta_high), bounded=bounded
+    )  # each (k, n, 1)
+    centred = deltas - centre
+    fields.update(
+        base=base, experts=experts, composed=gathered[k + 1], base_probs=probs[0], expert_probs=probs[1 : k + 1],
+        composed_probs=probs[k + 1], centred=centred, columns=columns, outside_mass=outside_mass,
+        centre_below=(centre - lower)[..., 0], centre_above=(upper - centre)[..., 0],
+        # Outside U, |δ_i − c| ≤ this for every c in the centre's interval; 0 where nothing is outside.
+        delta_extent=torch.maximum(tail_high - lower[..., 0], upper[..., 0] - tail_low).clamp(min=0),  # (k, n)
+        supports=dx.delta_supports_from_probs(centred, probs[0], probs[1 : k + 1], settings.epsilon, settings.eta),
+    )
+    return fields
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +505,7 @@ class IntervalReducer:
         self.pair_intersecting = torch.zeros(k, k, dtype=torch.int64)
         self.pair_iou_sum = torch.zeros(k, k, dtype=torch.float64)
 
-    def update(self, batch: MeasuredBatch) -> None:
+    def update(self, batch: SequenceBatch) -> None:
         self.sequences += int(batch.mask.any(-1).sum())
         intervals = batch.intervals  # (k, B, 2)
         active = intervals[..., 0] >= 0  # (k, B)
@@ -342,24 +554,74 @@ class PairOverlapReducer:
         self.coactive_overlap_sum = torch.zeros(len(self.pairs), dtype=torch.float64)
         self.support_intersection = torch.zeros(len(self.pairs), dtype=torch.int64)
         self.support_union = torch.zeros(len(self.pairs), dtype=torch.int64)
+        # On the top-k union: lower and upper bounds on the full `product`, `square_i`, `square_j`.
+        self.restricted = False
+        self.bound_totals = torch.zeros(len(self.pairs), 3, 2, dtype=torch.float64)
 
     def update(self, batch: MeasuredBatch) -> None:
         self.positions += batch.num_positions
-        centred, supports = batch.centred, batch.supports  # (k, N, V), (k, N, V)
+        centred, supports = batch.centred, batch.supports  # (k, N, M), (k, N, M)
         for pair, (i, j) in enumerate(self.pairs):
             weight = dx.overlap_weights_from_probs(
                 batch.base_probs, batch.expert_probs[i], batch.expert_probs[j], batch.composed_probs
-            )  # (N, V)
+            )  # (N, M)
             sums = dx.overlap_sums(centred[i], centred[j], weight)  # each (N,)
             self.overlap_totals[pair] += torch.stack([s.double().sum() for s in sums]).cpu()
+            if batch.columns is not None:
+                self.restricted = True
+                self.bound_totals[pair] += self._sum_bounds(batch, weight, i, j)
             both = batch.active[i] & batch.active[j]  # (N,)
             self.coactive[pair] += int(both.sum())
             self.coactive_overlap_sum[pair] += float(dx.overlap_ratio(sums)[both].double().sum())
             self.support_intersection[pair] += int((supports[i] & supports[j]).sum())
             self.support_union[pair] += int((supports[i] | supports[j]).sum())
 
+    @staticmethod
+    def _sum_bounds(batch: MeasuredBatch, weight: torch.Tensor, i: int, j: int) -> torch.Tensor:
+        """`(3, 2)`: lower and upper bounds on the full `product`, `square_i`, `square_j`, summed over the positions.
+
+        The centre over V lies in `[c − below, c + above]` around the centre c on U, so on a token
+        of U the full |δ̃_i| lies in `[a_min, a_max]`, the least and largest |δ_i − c'| over that
+        interval; the full sums on U lie between the sums of those products. The tokens outside
+        U add between 0 and `τ_w A_i A_j` (`τ_w A_i²`), with `A_i` the largest |δ_i − c| over V ∖ U and
+        `τ_w ≤ τ_b + τ_i + τ_j + τ_q` their mass under w = max(p_b, p_i, p_j, q).
+        """
+        k = batch.experts.shape[0]
+        w = weight.double()  # (N, M)
+
+        def magnitude_range(index):  # the least and largest |δ_i − c'| on each token of U, (N, M) each
+            centred = batch.centred[index].double()
+            below = batch.centre_below[index].double()[:, None]
+            above = batch.centre_above[index].double()[:, None]
+            low_end, high_end = (centred + below).abs(), (centred - above).abs()
+            inside = (centred >= -below) & (centred <= above)
+            return torch.where(inside, 0.0, torch.minimum(low_end, high_end)), torch.maximum(low_end, high_end)
+
+        (a_min, a_max), (b_min, b_max) = magnitude_range(i), magnitude_range(j)
+        outside = batch.outside_mass.double()  # (k+2, N)
+        tail = outside[0] + outside[1 + i] + outside[1 + j] + outside[k + 1]  # (N,)
+        extent = batch.delta_extent.double()  # (k, N)
+        bounds = [
+            ((w * a_min * b_min).sum(-1), (w * a_max * b_max).sum(-1) + tail * extent[i] * extent[j]),
+            ((w * a_min.square()).sum(-1), (w * a_max.square()).sum(-1) + tail * extent[i].square()),
+            ((w * b_min.square()).sum(-1), (w * b_max.square()).sum(-1) + tail * extent[j].square()),
+        ]
+        return torch.tensor([[low.sum().item(), high.sum().item()] for low, high in bounds], dtype=torch.float64)
+
+    def _bounds(self, pair: int) -> list[float] | None:
+        """`[low, high]` holding the mass overlap over all V, from the bounds on its sums."""
+        if not self.restricted:
+            return None
+        (product_low, product_high), (i_low, i_high), (j_low, j_high) = self.bound_totals[pair].tolist()
+        if not all(math.isfinite(v) for v in (product_high, i_high, j_high)):
+            return [0.0, 1.0]
+        low_denominator, high_denominator = math.sqrt(i_low * j_low), math.sqrt(i_high * j_high)
+        low = product_low / high_denominator if high_denominator > 0 else 0.0
+        high = min(product_high / low_denominator, 1.0) if low_denominator > 0 else 1.0
+        return [low, high]
+
     def report(self) -> dict:
-        """`{"a|b": stats}`."""
+        """`{"a|b": stats}`; on the top-k union also `mass_overlap_bounds`, `[low, high]` for the full computation."""
         n = max(self.positions, 1)
         pairs = {}
         for pair, (i, j) in enumerate(self.pairs):
@@ -373,11 +635,15 @@ class PairOverlapReducer:
                 "coactivation_rate": coactive / n,
                 "mass_overlap_coactive_mean": float(self.coactive_overlap_sum[pair]) / coactive if coactive else None,
             }
+            if self.restricted:
+                pairs[pair_key(self.names[i], self.names[j])]["mass_overlap_bounds"] = self._bounds(pair)
         return pairs
 
 
 class TopTokenReducer:
-    """Per expert, the tokens with the largest mean |δ̃_i| and how often each is in the support S_i. O(k·V)."""
+    """Per expert, the tokens with the largest mean |δ̃_i| and how often each is in the support S_i. O(k·V).
+
+    On the top-k union a token's |δ̃_i| counts only at the positions where it is in U (0 elsewhere)."""
 
     def __init__(self, names: list[str], vocab_size: int, top_tokens: int, decode=None):
         self.names = names
@@ -389,8 +655,15 @@ class TopTokenReducer:
 
     def update(self, batch: MeasuredBatch) -> None:
         self.positions += batch.num_positions
-        self.abs_delta_sum += batch.centred.abs().double().sum(1).cpu()
-        self.support_count += batch.supports.sum(1).cpu()
+        if batch.columns is None:
+            self.abs_delta_sum += batch.centred.abs().double().sum(1).cpu()
+            self.support_count += batch.supports.sum(1).cpu()
+            return
+        # On the top-k union, a token adds its |δ̃| only at the positions where it is in U.
+        columns = batch.columns.flatten().cpu()  # (N·M,)
+        for index in range(len(self.names)):
+            self.abs_delta_sum[index].index_add_(0, columns, batch.centred[index].abs().flatten().cpu().double())
+            self.support_count[index].index_add_(0, columns, batch.supports[index].flatten().cpu().long())
 
     def report(self) -> dict:
         """`{name: [{"token", "mean_abs_delta", "support_rate"}, …]}`, largest mean |δ̃| first."""
@@ -412,7 +685,8 @@ class TopTokenReducer:
 
 class ProjectiveErrorReducer:
     """Projective error: `KL(p_active ‖ q)` on steps with `|A_t| ≤ 1`, and per expert the restricted
-    `KL(p_i(·|S_i ∪ B) ‖ q(·|S_i ∪ B))`, over all positions and where the expert is active."""
+    `KL(p_i(·|S_i ∪ B) ‖ q(·|S_i ∪ B))`, over all positions and where the expert is active
+    (on the top-k union: S_i ∪ B within U)."""
 
     def __init__(self, names: list[str]):
         k = len(names)
@@ -428,7 +702,7 @@ class ProjectiveErrorReducer:
 
     def update(self, batch: MeasuredBatch) -> None:
         self.positions += batch.num_positions
-        single, eligible = dx.single_active_error_from_logprobs(batch.base, batch.experts, batch.composed, batch.active)
+        single, eligible = batch.single_active, batch.single_eligible  # (N,), over V
         self.single_active_sum += float(single[eligible].double().sum())
         self.single_active_count += int(eligible.sum())
         self.single_active_histogram.add(single[eligible])
@@ -482,23 +756,20 @@ class MergeGapReducer:
         self.signal_square_sum = 0.0
 
     def update(self, batch: MeasuredBatch) -> None:
-        if batch.merged is None:
+        if batch.merge_gap is None:
             return
         n = batch.num_positions
-        gap = dx.kl_from_logprobs(batch.composed, batch.composed_probs, batch.merged)  # (N,): KL(q ‖ m)
+        gap = batch.merge_gap  # (N,): KL(q ‖ m)
         self.positions += n
         self.gap_sum += float(gap.double().sum())
         self.gap_max = max(self.gap_max, float(gap.max()))
-        self.top1_agree += int(dx.top1_agreement(batch.composed, batch.merged).sum())
+        self.top1_agree += int(batch.top1_agree.sum())
         self.histogram.add(gap)
-        if batch.scaled_experts is None:
+        if batch.residual_square is None:
             return
-        residual = dx.interaction_residual(batch.merged, batch.scaled_experts, batch.base)  # (N, V)
-        lam = torch.tensor(self.weights, device=batch.base.device)[:, None, None]
-        signal = dx.centre((lam * (batch.experts - batch.base)).sum(0))  # (N, V): the composed logit change
         self.residual_positions += n
-        self.residual_square_sum += float(residual.double().square().sum())
-        self.signal_square_sum += float(signal.double().square().sum())
+        self.residual_square_sum += float(batch.residual_square.sum())
+        self.signal_square_sum += float(batch.signal_square.sum())
 
     def report(self) -> dict | None:
         """The report's `merge_compose_gap` section; None when no merge was measured."""
@@ -532,11 +803,10 @@ class LinearizationReducer:
         self.error_max = torch.zeros(len(names), dtype=torch.float64)
 
     def update(self, batch: MeasuredBatch) -> None:
-        if batch.scaled_experts is None or all(w == 1.0 for w in self.weights):
+        if batch.linearization is None:
             return
         self.positions += batch.num_positions
-        for index, lam in enumerate(self.weights):
-            error = dx.linearization_error(batch.scaled_experts[index], batch.base, batch.experts[index], lam)  # (N,)
+        for index, error in enumerate(batch.linearization):  # (N,) each
             self.error_sum[index] += float(error.double().sum())
             self.error_max[index] = max(float(self.error_max[index]), float(error.max()))
 
@@ -566,14 +836,14 @@ class ExampleReducer:
         self.heatmap: list[dict] = []
         self.reservoir = PositionReservoir(settings.reservoir_size, settings.seed)
 
-    def update(self, batch: MeasuredBatch) -> None:
+    def update(self, batch: SequenceBatch) -> None:
         rows = batch.mask.any(-1).nonzero().flatten().tolist()
         first_sequence = self.sequences
         self.sequences += len(rows)
         self._update_heatmap(batch, rows, first_sequence)
         self._update_reservoir(batch, rows, first_sequence)
 
-    def _update_heatmap(self, batch: MeasuredBatch, rows: list[int], first_sequence: int) -> None:
+    def _update_heatmap(self, batch: SequenceBatch, rows: list[int], first_sequence: int) -> None:
         mask, input_ids = batch.mask, batch.input_ids
         for offset, row in enumerate(rows):
             if len(self.heatmap) >= self.heatmap_sequences:
@@ -599,7 +869,7 @@ class ExampleReducer:
                 }
             )
 
-    def _update_reservoir(self, batch: MeasuredBatch, rows: list[int], first_sequence: int) -> None:
+    def _update_reservoir(self, batch: SequenceBatch, rows: list[int], first_sequence: int) -> None:
         input_ids, attention_mask = batch.input_ids, batch.attention_mask
         named = [("base", batch.components[0]), *zip(self.names, batch.components[1:]), ("composed", batch.composed_grid)]
         if batch.merged_grid is not None:
@@ -634,3 +904,35 @@ class ExampleReducer:
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+class VocabularyReducer:
+    """On the top-k union U: per distribution (base, each expert, composed) the mean and largest
+    probability mass outside U; nothing when the full vocabulary is measured."""
+
+    def __init__(self, names: list[str], candidates: int):
+        self.labels = ["base", *names, "composed"]
+        self.candidates = candidates
+        self.positions = 0
+        self.outside_sum = torch.zeros(len(self.labels), dtype=torch.float64)
+        self.outside_max = torch.zeros(len(self.labels), dtype=torch.float64)
+
+    def update(self, batch: MeasuredBatch) -> None:
+        if batch.outside_mass is None:
+            return
+        self.positions += batch.num_positions
+        outside = batch.outside_mass.double().cpu()  # (k+2, N)
+        self.outside_sum += outside.sum(1)
+        self.outside_max = torch.maximum(self.outside_max, outside.amax(1))
+
+    def report(self) -> dict | None:
+        """The report's `vocabulary` section; None when the full vocabulary was measured."""
+        if not self.positions:
+            return None
+        return {
+            "measured": "top_k_union",
+            "candidates": self.candidates,
+            "outside_mass_mean": {label: float(self.outside_sum[i]) / self.positions for i, label in enumerate(self.labels)},
+            "outside_mass_max": {label: float(self.outside_max[i]) for i, label in enumerate(self.labels)},
+        }
+

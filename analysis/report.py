@@ -92,6 +92,29 @@ def headline_rows(results: dict) -> list[list]:
 HEADLINE_HEADER = ["measured on", "positions", "co-activation", "projective err. (|A|≤1)", "|A|≤1 frac.", "gap KL(q‖m)", "top-1 agree"]
 
 
+def vocabulary_lines(results: dict) -> list[str]:
+    """How the token statistics were measured: the centre, and the top-k union's outside mass and bounds."""
+    settings = results["settings"]
+    centre = settings.get("centre", "median").replace("_", " ")
+    vocabulary = results.get("vocabulary")
+    if not vocabulary:
+        return [f"Deltas centred by the {centre}; every statistic over the whole vocabulary.", ""]
+    outside = ", ".join(
+        f"{name} {format_number(mean)} (max {format_number(vocabulary['outside_mass_max'][name])})"
+        for name, mean in vocabulary["outside_mass_mean"].items()
+    )
+    bounds = "; ".join(
+        f"{key} [{format_number(stats['mass_overlap_bounds'][0])}, {format_number(stats['mass_overlap_bounds'][1])}]"
+        for key, stats in results["pairs"].items() if stats.get("mass_overlap_bounds")
+    )
+    return [
+        f"Deltas centred by the {centre}. Centre, supports, overlap sums and top tokens on the "
+        f"{vocabulary['candidates']} tokens each position's distributions rank highest (`--full-vocabulary` for all); "
+        f"mean mass outside them: {outside}. Mass overlap over the whole vocabulary lies in: {bounds or 'no bound for this centre'}.",
+        "",
+    ]
+
+
 def markdown(results: dict) -> str:
     """The overlap.md report."""
     settings = results["settings"]
@@ -100,6 +123,7 @@ def markdown(results: dict) -> str:
         "",
         f"Activity threshold ε = {settings['epsilon']} nats, support floor η = {settings['eta']}.",
         "",
+        *vocabulary_lines(results),
         "## Headline",
         "",
         *markdown_table(HEADLINE_HEADER, headline_rows(results), cell=format_number).splitlines(),

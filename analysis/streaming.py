@@ -1,7 +1,8 @@
 """Streaming reduction of the diagnostics: chunks of positions in, scalars and histograms out.
 
 `OverlapAccumulator.update` takes the component log-probs of one batch, computes what every
-measure needs once (`analysis.reducers.MeasuredBatch`) and hands it to the small reducers of
+measure needs once (`analysis.reducers.MeasuredBatch`, a few positions at a time, so that each
+pass over the vocabulary works in cache) and hands it to the small reducers of
 `analysis.reducers`, each with its own running sums, `update` and `report`. The batch is then
 dropped. Memory is O(k·V + k² + bins + reservoir), independent of the number of tokens: no
 `(N, V)` tensor for the whole data set is ever kept.
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from analysis.diagnostics import active_intervals
 from analysis.reducers import (
     ActivityReducer,
     ExampleReducer,
@@ -25,7 +27,9 @@ from analysis.reducers import (
     PairOverlapReducer,
     PositionReservoir,
     ProjectiveErrorReducer,
+    SequenceBatch,
     TopTokenReducer,
+    VocabularyReducer,
 )
 from composition.rule import check_weights, compose_logprobs
 
@@ -45,7 +49,10 @@ class OverlapReport:
       and `per_expert`;
     * `merge_compose_gap`: `kl_mean` of `KL(q ‖ m)`, `top1_agreement`, the interaction residual,
       the histogram (present when a merged model was measured);
-    * `reservoir`: example positions with the top tokens of every component.
+    * `reservoir`: example positions with the top tokens of every component;
+    * `vocabulary` (on the top-k union, the default): the mass each distribution puts outside
+      the measured tokens, mean and largest over positions; then every pair also has
+      `mass_overlap_bounds`, an interval that holds its mass overlap over all V.
     """
 
     num_positions: int
@@ -60,6 +67,7 @@ class OverlapReport:
     merge_compose_gap: dict | None
     heatmap: list[dict]
     reservoir: list[dict]
+    vocabulary: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -77,10 +85,22 @@ class OverlapReport:
     def to_dict(self) -> dict:
         result = asdict(self)
         extra = result.pop("extra")
-        if result["merge_compose_gap"] is None:
-            del result["merge_compose_gap"]
+        for key in ("merge_compose_gap", "vocabulary"):
+            if result[key] is None:
+                del result[key]
         result.update(extra)
         return result
+
+
+def _pick(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """`(*lead, B, T, V)` -> `(*lead, n, V)` at the flat positions `rows` (ascending): a view where they are contiguous."""
+    if tensor is None:
+        return None
+    flat = tensor.flatten(-3, -2)  # (*lead, B·T, V)
+    first, count = int(rows[0]), len(rows)
+    if int(rows[-1]) - first + 1 == count:
+        return flat.narrow(-2, first, count)
+    return flat.index_select(-2, rows)
 
 
 class OverlapAccumulator:
@@ -96,6 +116,9 @@ class OverlapAccumulator:
             default 1.0 each.
         settings: thresholds and sizes (`OverlapSettings`).
         decode: optional `token ids -> str`, used for the report's token lists and examples.
+        chunk_positions: positions handed to the reducers at a time (default: all of a batch on
+            the top-k union, about 2^21 values per `(positions, V)` tensor on the full vocabulary);
+            the report does not depend on it.
     """
 
     def __init__(
@@ -105,6 +128,7 @@ class OverlapAccumulator:
         weights: Sequence[float] | None = None,
         settings: OverlapSettings | None = None,
         decode=None,
+        chunk_positions: int | None = None,
     ):
         if len(expert_names) == 0:
             raise ValueError("`expert_names` must name at least one expert, got none")
@@ -116,6 +140,9 @@ class OverlapAccumulator:
         self.weights = check_weights(weights, self.k) or [1.0] * self.k
         self.settings = settings or OverlapSettings()
         self.decode = decode
+        if chunk_positions is not None and not (isinstance(chunk_positions, int) and chunk_positions >= 1):
+            raise ValueError(f"`chunk_positions` must be an int >= 1 or None, got {chunk_positions!r}")
+        self.chunk_positions = chunk_positions
         self.positions = 0
         self.sequences = 0
         self.activity = ActivityReducer(self.names, self.settings)
@@ -126,16 +153,19 @@ class OverlapAccumulator:
         self.merge_gap = MergeGapReducer(self.weights, self.vocab_size)
         self.linearization = LinearizationReducer(self.names, self.weights)
         self.examples = ExampleReducer(self.names, self.settings, decode)
-        self.reducers = [
+        self.vocabulary = VocabularyReducer(self.names, self.settings.candidates)
+        # Reducers of positions (`MeasuredBatch`) and of whole sequences (`SequenceBatch`).
+        self.position_reducers = [
             self.activity,
-            self.intervals,
             self.pair_overlap,
             self.top_tokens,
             self.projective,
             self.merge_gap,
             self.linearization,
-            self.examples,
+            self.vocabulary,
         ]
+        self.sequence_reducers = [self.intervals, self.examples]
+        self.reducers = [*self.position_reducers, *self.sequence_reducers]
 
     @property
     def heatmap(self) -> list[dict]:
@@ -189,11 +219,34 @@ class OverlapAccumulator:
         n = int(mask.sum())
         if n == 0:
             return
-        batch = MeasuredBatch.select(
-            components, mask, composed, merged, scaled_experts, input_ids, attention_mask, self.settings
+        # The measured positions, row-major, as indices into the flattened (B·T) axis: no copy of the batch.
+        flat = mask.flatten().nonzero().flatten()  # (N,)
+        B, T = batch_shape
+        step = self.chunk_positions or (n if not self.settings.full_vocabulary else max(1, 2**21 // V))
+        activity = []
+        for start in range(0, n, step):
+            rows = flat[start : start + step]
+            measured = MeasuredBatch.measure(
+                _pick(components, rows), _pick(composed, rows), _pick(merged, rows), _pick(scaled_experts, rows),
+                self.weights, self.settings,
+            )
+            for reducer in self.position_reducers:
+                reducer.update(measured)
+            activity.append(measured.activity)
+        activity_grid = torch.zeros(k, B, T, device=components.device)  # (k, B, T)
+        activity_grid[:, mask] = torch.cat(activity, dim=1)
+        sequences = SequenceBatch(
+            mask=mask,
+            activity_grid=activity_grid,
+            intervals=active_intervals(activity_grid, self.settings.epsilon, mask),
+            components=components,
+            composed_grid=composed,
+            merged_grid=merged,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
         )
-        for reducer in self.reducers:
-            reducer.update(batch)
+        for reducer in self.sequence_reducers:
+            reducer.update(sequences)
         self.positions += n
         self.sequences += int(mask.any(-1).sum())
 
@@ -233,4 +286,5 @@ class OverlapAccumulator:
             merge_compose_gap=self.merge_gap.report(),
             heatmap=examples["heatmap"],
             reservoir=examples["reservoir"],
+            vocabulary=self.vocabulary.report(),
         )

@@ -76,7 +76,10 @@ def test_overlap_cli_linear_checkpoints_with_merge(workspace, capsys):
     assert {"coactivation_rate", "experts", "pairs", "projective_error", "merge_compose_gap"} <= set(results)
     assert set(results["experts"]["ab"]) >= {"kl_mean", "active_fraction"}
     pair = results["pairs"]["ab|cd"]
-    assert set(pair) >= {"mass_overlap", "sign_conflict", "parameter"}
+    assert set(pair) >= {"mass_overlap", "sign_conflict", "parameter", "mass_overlap_bounds"}
+    # The defaults: the base-weighted centre, token statistics on the top-k union, whose outside mass is given.
+    assert results["settings"]["centre"] == "base_weighted_median" and results["settings"]["full_vocabulary"] is False
+    assert set(results["vocabulary"]["outside_mass_mean"]) == {"base", "ab", "cd", "composed"}
     # lm_head-only experts: the merge equals the composition.
     assert results["merge_compose_gap"]["kl_max"] < 1e-5
     assert results["merge_compose_gap"]["top1_agreement"] == 1.0
@@ -105,9 +108,11 @@ def test_overlap_cli_adapter_and_checkpoint_from_yaml(workspace):
     }
     path = workspace / "overlap.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert main(["overlap", "--config", str(path), "--eta", "0.01", "--quiet"]) == 0
+    assert main(["overlap", "--config", str(path), "--eta", "0.01", "--centre", "median", "--full-vocabulary", "--quiet"]) == 0
     results = json.loads((out / "overlap.json").read_text())
     assert results["settings"]["epsilon"] == 0.05 and results["settings"]["eta"] == 0.01
+    assert results["settings"]["centre"] == "median" and results["settings"]["full_vocabulary"] is True
+    assert "vocabulary" not in results and "mass_overlap_bounds" not in results["pairs"]["ab|lora"]
     assert len(results["reservoir"]) == 3
     pair = results["pairs"]["ab|lora"]
     # The lm_head expert and an attention/MLP LoRA touch disjoint parameters.

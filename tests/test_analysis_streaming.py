@@ -23,21 +23,26 @@ def _components(seed: int, batch: int = 4, seq: int = 6, vocab: int = 16, k: int
     return torch.log_softmax(torch.stack([base, *experts]), -1)  # (k+1, B, T, V)
 
 
-def _accumulate(chunks, masks, **kwargs) -> dict:
-    accumulator = OverlapAccumulator(["a", "b"], chunks[0].shape[-1], settings=OverlapSettings(reservoir_size=4), **kwargs)
+def _accumulate(chunks, masks, settings=None, **kwargs) -> dict:
+    settings = settings or OverlapSettings(reservoir_size=4)
+    accumulator = OverlapAccumulator(["a", "b"], chunks[0].shape[-1], settings=settings, **kwargs)
     for components, mask in zip(chunks, masks):
         accumulator.update(components, mask)
     return accumulator.report().to_dict()
 
 
-def test_pooled_overlap_equals_the_direct_computation_on_all_positions():
+# The top-k union with 64 candidates holds all 16 tokens, so it must give the full computation too.
+@pytest.mark.parametrize("full_vocabulary", [True, False])
+@pytest.mark.parametrize("centre", ["median", "base_weighted_median"])
+def test_pooled_overlap_equals_the_direct_computation_on_all_positions(centre, full_vocabulary):
     components = _components(0)
     mask = torch.ones(4, 6, dtype=torch.bool)
     mask[0, :2] = False  # padding is not measured
-    report = _accumulate([components], [mask])
+    settings = OverlapSettings(reservoir_size=4, centre=centre, full_vocabulary=full_vocabulary)
+    report = _accumulate([components], [mask], settings=settings, chunk_positions=5)
     base, experts = components[0][mask], components[1:][:, mask]  # (N, V), (k, N, V)
     composed = compose_logprobs(base, list(experts))
-    centred = dx.centred_deltas(base, experts)
+    centred = dx.centred_deltas(base, experts, centre=centre)
     weight = dx.overlap_weights(base, experts[0], experts[1], composed)
     product = (weight * centred[0].abs() * centred[1].abs()).sum()
     norms = ((weight * centred[0] ** 2).sum() * (weight * centred[1] ** 2).sum()).sqrt()
@@ -181,3 +186,87 @@ def test_json_never_holds_nan():
     with pytest.warns(UserWarning, match=r"r\.json: 2 values were NaN \(undefined\) and are written as null: a\[1\], b\.c"):
         text = json_text({"a": [1.0, float("nan"), float("inf")], "b": {"c": float("nan")}}, "r.json")
     assert json.loads(text) == {"a": [1.0, None, "inf"], "b": {"c": None}}
+
+
+# ---------------------------------------------------------------------------------------------
+# The top-k union (issue 16): cheap by default, complete on request, within the reported bound.
+
+
+def _peaked_components(seed: int, batch: int = 3, seq: int = 8, vocab: int = 256) -> torch.Tensor:
+    """A peaked base (a few tokens hold most of the mass) and two experts that each raise a few tokens
+    into their top tokens (so that the large |δ| are in U and the bound can be tight)."""
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randn(batch, seq, vocab, generator=generator) * 3.0
+    experts = []
+    for first, steps in ((0, seq), (8, seq // 2)):  # the second expert acts on the first half of each sequence
+        expert = base + 0.05 * torch.randn(batch, seq, vocab, generator=generator)
+        expert[:, :steps, first : first + 8] += 6.0 + 2.0 * torch.rand(batch, steps, 8, generator=generator)
+        experts.append(expert)
+    return torch.log_softmax(torch.stack([base, *experts]), -1)  # (k+1, B, T, V)
+
+
+def test_top_k_union_agrees_with_the_full_vocabulary_within_the_reported_bound():
+    components = _peaked_components(0)
+    mask = torch.ones(components.shape[1:3], dtype=torch.bool)
+    restricted = _accumulate([components], [mask], settings=OverlapSettings(candidates=24))
+    full = _accumulate([components], [mask], settings=OverlapSettings(full_vocabulary=True))
+    outside = restricted["vocabulary"]["outside_mass_mean"]
+    assert 0 < outside["base"] < 0.2 and restricted["vocabulary"]["candidates"] == 24  # restricted, and not trivially
+    assert "vocabulary" not in full and "mass_overlap_bounds" not in full["pairs"]["a|b"]
+    low, high = restricted["pairs"]["a|b"]["mass_overlap_bounds"]
+    assert low <= full["pairs"]["a|b"]["mass_overlap"] <= high
+    assert low <= restricted["pairs"]["a|b"]["mass_overlap"] <= high
+    assert high - low < 0.5  # the bound says something
+    # Sums over V are computed over V on both paths.
+    for name in ("a", "b"):
+        assert restricted["experts"][name]["kl_mean"] == pytest.approx(full["experts"][name]["kl_mean"], rel=1e-5, abs=1e-7)
+    assert restricted["projective_error"]["single_active_fraction"] == full["projective_error"]["single_active_fraction"] > 0
+    assert restricted["projective_error"]["single_active"] == pytest.approx(full["projective_error"]["single_active"], rel=1e-5, abs=1e-7)
+
+
+def test_union_centre_by_hand_and_its_interval_holds_the_full_centre():
+    values = torch.tensor([[3.0, 0.0, 2.0, 1.0]])
+    weights = torch.tensor([[0.1, 0.1, 0.3, 0.2]])  # sorted by value: 0.1, 0.2, 0.3, 0.1; 0.3 of the mass is outside
+    centre, lower, upper = dx.union_centre(values, weights, torch.tensor([0.3]), (torch.tensor([-5.0]), torch.tensor([9.0])))
+    # Cumulative 0.1, 0.3, 0.6, 0.7: half of U's 0.7 is reached at 2; below ½ − 0.3 only 0; ½ is reached at 2.
+    assert (centre.item(), lower.item(), upper.item()) == (2.0, 0.0, 2.0)
+    _, lower, upper = dx.union_centre(values, weights, torch.tensor([0.6]), (torch.tensor([-5.0]), torch.tensor([9.0])))
+    assert (lower.item(), upper.item()) == (-5.0, 2.0)  # nothing in U is surely below: down to the least δ over V
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        deltas = torch.randn(4, 500, generator=generator)
+        probs = torch.softmax(torch.randn(4, 500, generator=generator) * 3, -1)
+        keep = probs.topk(40, dim=-1).indices  # (4, 40)
+        outside = 1 - probs.gather(-1, keep).sum(-1)
+        centre, lower, upper = dx.union_centre(
+            deltas.gather(-1, keep), probs.gather(-1, keep), outside, (deltas.amin(-1), deltas.amax(-1))
+        )
+        full = dx.weighted_median(deltas, probs)
+        assert bool(((lower <= full) & (full <= upper) & (lower <= centre) & (centre <= upper)).all())
+
+
+def test_top_k_union_refuses_components_that_are_not_log_probs():
+    components = _components(0) + 1.0  # logits, not log-probs
+    accumulator = OverlapAccumulator(["a", "b"], components.shape[-1])
+    with pytest.raises(ValueError, match="`components` must be normalised log-probs"):
+        accumulator.update(components, torch.ones(components.shape[1:3], dtype=torch.bool))
+
+
+def test_the_vocabulary_pass_falls_back_to_eager_when_compilation_fails(monkeypatch):
+    from analysis import reducers
+
+    def broken_compile(function, **kwargs):
+        def run(*args):
+            raise RuntimeError("no C++ compiler")
+
+        return run
+
+    components = _peaked_components(1)
+    mask = torch.ones(components.shape[1:3], dtype=torch.bool)
+    eager = _accumulate([components], [mask])
+    monkeypatch.setattr(reducers, "COMPILE_MIN_VOCAB", 1)
+    monkeypatch.setattr(reducers, "_compiled", {"function": None, "failed": False})
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with pytest.warns(UserWarning, match="torch.compile of the overlap's vocabulary pass failed"):
+        fallen_back = _accumulate([components], [mask])
+    assert fallen_back["pairs"] == eager["pairs"] and fallen_back["experts"] == eager["experts"]
