@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from analysis import OverlapSettings, measure_overlap
 from benchmarks.decode import model_config
@@ -44,7 +45,7 @@ from benchmarks.memory import PeakSampler, peak_rss_mib
 from benchmarks.report import write_results
 from composition import ComposedLM, compose_with_remedies
 from composition.io import markdown_table
-from composition.tiny import random_llama, random_lora_adapter
+from composition.tiny import random_lora_adapter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,13 +91,22 @@ class Setup:
         self.device = torch.device(args.device)
         dtype = getattr(torch, args.dtype)
         self._folder = tempfile.TemporaryDirectory()
-        base = random_llama(model_config(args), seed=0)
+        # Seeded random weights, built on the device in the benchmark's dtype (as benchmarks.decode does).
+        torch.manual_seed(0)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with self.device:
+                base = AutoModelForCausalLM.from_config(model_config(args)).eval()
+        finally:
+            torch.set_default_dtype(default_dtype)
         adapters = {
             f"expert_{i}": str(random_lora_adapter(base, Path(self._folder.name) / f"e{i}", seed=10 + i, rank=args.rank, scale=0.3))
             for i in range(2)
         }
-        self.composed = ComposedLM.from_adapters(base.to(self.device, dtype), adapters)
+        self.composed = ComposedLM.from_adapters(base, adapters)
         self.vocab = base.config.vocab_size
+        self.parameters = base.num_parameters()
         self.settings = settings_of(args)
         self.args = args
 
@@ -175,8 +185,7 @@ def main(argv=None) -> int:
     warm = min(args.tokens[0], 2 * args.batch_size * args.seq_length)
     setup.bare(warm)  # warm-up, and the vocabulary pass's compilation (once per process)
     setup.analysis(warm)
-    parameters = sum(p.numel() for p in setup.composed.base_model.parameters()) if hasattr(setup.composed, "base_model") else None
-    results = {"args": vars(args), "settings": setup.settings.model_dump(), "base_parameters": parameters, "tokens": {}}
+    results = {"args": vars(args), "settings": setup.settings.model_dump(), "base_parameters": setup.parameters, "tokens": {}}
     for tokens in args.tokens:
         seconds = {"bare": [], "analysis": []}
         for _ in range(args.repeats):
