@@ -13,7 +13,10 @@ import os
 import pytest
 
 # Without vLLM (the main venv) this folder is not collected; `make test` runs it again in .venv-vllm.
-if importlib.util.find_spec("vllm") is None:
+# This folder itself, on sys.path as tests/vllm, is found as a namespace package `vllm` (no origin):
+# only a real package counts.
+_VLLM = importlib.util.find_spec("vllm")
+if _VLLM is None or _VLLM.origin is None:
     collect_ignore_glob = ["test_*.py"]
 else:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes most of the RAM
