@@ -215,12 +215,12 @@ class MeasuredBatch:
         """Measure n positions: `components` `(k+1, n, V)`, `composed` and `merged` `(n, V)`,
         `scaled_experts` `(k, n, V)`, log-probs in any float dtype.
 
-        The passes over V run on `pass_positions` positions at a time (default: `COMPILE_ROWS`
+        The passes over V run on `pass_positions` positions at a time (default: `compile_rows(V)`
         from `COMPILE_MIN_VOCAB` tokens on, else about 2^18 values per tensor), so that their
         temporaries stay in cache instead of making several trips through memory per statistic.
         """
         n, V = composed.shape
-        step = pass_positions or (COMPILE_ROWS if V >= COMPILE_MIN_VOCAB else max(1, 2**18 // V))
+        step = pass_positions or (compile_rows(V) if V >= COMPILE_MIN_VOCAB else max(1, 2**18 // V))
         parts = [
             _measure_rows(
                 components[:, start : start + step], composed[start : start + step],
@@ -349,10 +349,14 @@ def tail_delta_range(components: torch.Tensor, peak: torch.Tensor, threshold: to
 
 # The two passes compiled: one loop over V each instead of about twenty (measured 6x on the CPU at
 # V = 32,000). Used from `COMPILE_MIN_VOCAB` tokens on, where the one-off compilation (tens of
-# seconds, once per process and shape) pays; the rows are padded to `COMPILE_ROWS` so that one
-# shape serves every chunk. Without a working compiler they fall back to eager, once, with a warning.
+# seconds, once per process and shape) pays; the rows are padded to `compile_rows(V)` (about 2^21
+# values per tensor: fewer rows ran up to 4x slower per value at V = 8,192) so that one shape
+# serves every chunk. Without a working compiler they fall back to eager, once, with a warning.
 COMPILE_MIN_VOCAB = 4096
-COMPILE_ROWS = 64
+
+
+def compile_rows(V: int) -> int:
+    return max(1, min(1024, 2**21 // V))
 _compiled: dict = {"failed": False}
 
 
@@ -363,7 +367,7 @@ def _pass(function, n: int, V: int, *tensors: torch.Tensor) -> tuple[torch.Tenso
         return function(*tensors)
     if function.__name__ not in _compiled:
         _compiled[function.__name__] = torch.compile(function, dynamic=False)
-    padding = COMPILE_ROWS - n
+    padding = compile_rows(V) - n
     if padding > 0:
         tensors = tuple(
             torch.nn.functional.pad(t, (0, padding) if t.dim() == 1 else (0, 0, 0, padding)) for t in tensors
