@@ -19,7 +19,6 @@ import re
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -139,14 +138,15 @@ def _leftovers(*folders: Path) -> list[Path]:
     return [path for folder in folders if folder.is_dir() for path in folder.iterdir() if LEFTOVER.search(path.name)]
 
 
-def _rerun_naming_removals(argv: list, left: list[Path]) -> None:
-    """Run `mergecompose *argv` here; it must succeed and name each of the leftovers `left` as removed."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert main([*map(str, argv)]) == 0
-    removals = " ".join(str(warning.message) for warning in caught if warning.category is LeftoverWarning)
+def _rerun_naming_removals(argv: list, left: list[Path], capsys) -> None:
+    """Run `mergecompose *argv` here; it must succeed and name each of the leftovers `left` as removed,
+    in its one-line warnings on stderr."""
+    capsys.readouterr()
+    assert main([*map(str, argv)]) == 0
+    command = argv[0]
+    removals = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"mergecompose {command}: warning: removed ")]
     for path in left:
-        assert f"removed {path}, left by a killed run" in removals
+        assert any(f"removed {path}, left by a killed run" in line for line in removals), (path, removals)
 
 
 # ------------------------------------------------------------------------------------------- merge
@@ -162,7 +162,7 @@ def larger_checkpoints(tmp_path_factory):
     return root
 
 
-def test_a_killed_merge_leaves_no_partial_output_and_the_rerun_removes_its_leftovers(larger_checkpoints, tmp_path, held):
+def test_a_killed_merge_leaves_no_partial_output_and_the_rerun_removes_its_leftovers(larger_checkpoints, tmp_path, held, capsys):
     config = tmp_path / "merge.yaml"
     config.write_text(yaml.safe_dump(task_arithmetic_mergekit_config(larger_checkpoints)))
     reference_dir, out = tmp_path / "reference", tmp_path / "merged"
@@ -182,7 +182,7 @@ def test_a_killed_merge_leaves_no_partial_output_and_the_rerun_removes_its_lefto
         # Under its final name: nothing, or the whole merge (the kill came after the rename).
         assert not out.exists() or _files(out) == reference, f"killed {delay:.2f} s after the start"
 
-    _rerun_naming_removals(argv, _leftovers(tmp_path))
+    _rerun_naming_removals(argv, _leftovers(tmp_path), capsys)
     assert _files(out) == reference
     card = (out / "README.md").read_text()
     assert "# merged" in card and ".tmp-" not in card  # titled with the output's name, not the temporary folder's
@@ -245,7 +245,7 @@ def _check_entries(checkpoints: Path) -> None:
             assert entry_problem(entry) is None, entry
 
 
-def test_a_killed_compare_reruns_to_the_results_of_an_unkilled_one(tiny_compare, tmp_path, held):
+def test_a_killed_compare_reruns_to_the_results_of_an_unkilled_one(tiny_compare, tmp_path, held, capsys):
     _, config, reference, phase = tiny_compare
     out = tmp_path / "killed"
     argv = ["compare", config, "--out", out, *COMPARE_FLAGS]
@@ -258,7 +258,7 @@ def test_a_killed_compare_reruns_to_the_results_of_an_unkilled_one(tiny_compare,
         if (out / "checkpoints").is_dir():
             _check_entries(out / "checkpoints")  # every entry under its final name is whole
 
-    _rerun_naming_removals(argv, _leftovers(out, out / "checkpoints"))
+    _rerun_naming_removals(argv, _leftovers(out, out / "checkpoints"), capsys)
     assert _scores(json.loads((out / "results.json").read_text())) == _scores(reference)
     assert _leftovers(out, out / "checkpoints") == []
 

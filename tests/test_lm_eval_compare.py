@@ -24,6 +24,7 @@ from tasks.letters.lm_eval_tasks import letter_choices, prompt_text, write_gener
 from tasks.letters.settings import LettersTaskSettings
 from tasks.lm_eval import LmEvalCompareConfig
 from tasks.lm_eval.systems import build_merge, plan_merge, slug
+from tasks.lm_eval.run import run_lm_eval_compare
 from tasks.registry import COMPARE_KINDS, register_compare_kind
 from tasks.tokenizer import build_tokenizer
 
@@ -303,6 +304,15 @@ def test_the_paper_config_loads(tmp_path):
     assert config.allow_code_execution and config.dtype == "bfloat16" and config.device == "cuda"
     assert config.task.gen_kwargs == {"do_sample": False}
     assert set(config.merges) == {"task_arithmetic", "ties"} and config.merge_selection.split == "train"
+
+
+def test_offline_a_hub_id_outside_the_cache_is_refused_when_the_run_starts(tmp_path, monkeypatch):
+    """The config loads anywhere (its hub ids have the right form); the run refuses them at once, before any work."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = load_config("configs/gemma2_mergebench.yaml")
+    with pytest.raises(ValueError, match=r"`base` 'google/gemma-2-2b' is not a local folder, so it is a hub id, and HF_HUB_OFFLINE"):
+        run_lm_eval_compare(config, tmp_path / "run", echo=None)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

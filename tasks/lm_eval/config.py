@@ -149,7 +149,10 @@ class LmEvalCompareConfig(_Strict):
     @field_validator("base")
     @classmethod
     def _base(cls, value):
-        return check_model_source(value, "base", adapter_hint="give its base as `base` and the adapter under `experts`")
+        if not is_local(value):  # a hub id: its form now, whether it loads when the run starts (`check_hub_sources`)
+            check_hub_id(value, "base")
+            return value
+        return _check_base(value)
 
     @field_validator("experts")
     @classmethod
@@ -230,13 +233,29 @@ class LmEvalCompareConfig(_Strict):
 
 
 def source_kind(value: str, where: str) -> Literal["checkpoint", "adapter", "hub"]:
-    """What a model source is: a local checkpoint folder, a local peft adapter folder, or a hub id (checked at run time).
+    """What a model source is: a local checkpoint folder, a local peft adapter folder, or a hub id.
 
-    Local values (`composition.sources.is_local`) must be existing checkpoint or adapter folders;
-    offline (HF_HUB_OFFLINE), a hub id must be in the hub cache. Online, a hub id is not looked up
-    at load time.
+    Local values (`composition.sources.is_local`) must be existing checkpoint or adapter folders.
+    A hub id is checked for its form only: a config names the same models wherever it is loaded,
+    and whether a hub id loads (offline: whether the hub cache holds it) is checked when the run
+    starts (`check_hub_sources`), before any work.
     """
-    if is_local(value) or hub_offline():
+    if is_local(value):
         return sources.source_kind(value, where)
     check_hub_id(value, where)
     return "hub"
+
+
+def _check_base(value: str) -> str:
+    return check_model_source(value, "base", adapter_hint="give its base as `base` and the adapter under `experts`")
+
+
+def check_hub_sources(config: "LmEvalCompareConfig") -> None:
+    """Offline (HF_HUB_OFFLINE), refuse at once a hub id that the hub cache does not hold; online, nothing to do."""
+    if not hub_offline():
+        return
+    if not is_local(config.base):
+        _check_base(config.base)
+    for name, source in config.experts.items():
+        if not is_local(source):
+            sources.source_kind(source, f"experts.{name}")

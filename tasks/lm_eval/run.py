@@ -35,7 +35,7 @@ import composition.lm_eval  # noqa: F401  (registers lm-eval's `composed` model)
 from composition.io import atomic_write_text
 from tasks.config import fingerprint
 from tasks.lm_eval.cells import CellStore, EvaluationSettings, TaskRun, folder_digest
-from tasks.lm_eval.config import LmEvalCompareConfig
+from tasks.lm_eval.config import LmEvalCompareConfig, check_hub_sources
 from tasks.lm_eval.report import plot_bars, results_table, write_markdown
 from tasks.lm_eval.systems import System, build_merge, composition_systems, plan_merge, single_systems
 from tasks.registry import register_compare_kind
@@ -63,6 +63,7 @@ def run_lm_eval_compare(
 
 
 def _run(config: LmEvalCompareConfig, out_dir: Path, overwrite: bool, progress: bool, echo) -> dict:
+    check_hub_sources(config)
     config_hash = fingerprint(config)
     with claim_run_dir(out_dir, config_hash, overwrite, "an lm_eval compare folder", _RUN_ENTRIES, ("cache", "cells")):
         return _run_locked(config, config_hash, out_dir, progress, echo)
