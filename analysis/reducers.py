@@ -231,12 +231,12 @@ class MeasuredBatch:
             for start in range(0, n, step)
         ]
         fields = {}
-        for name in cls.__dataclass_fields__:
+        for name in parts[0]:
             values = [part[name] for part in parts]
-            if values[0] is None:
-                fields[name] = None
-            else:
-                fields[name] = torch.cat(values, dim=_POSITION_DIM.get(name, 0))
+            fields[name] = None if values[0] is None else torch.cat(values, dim=_POSITION_DIM.get(name, 0))
+        if not settings.full_vocabulary:
+            # The work on U's columns, once for all n positions: a few large operations, not many small ones.
+            fields = _union_columns(fields, settings)
         return cls(**fields)
 
 
@@ -258,6 +258,7 @@ class SequenceBatch:
 _POSITION_DIM = {
     "experts": 1, "expert_probs": 1, "activity": 1, "active": 1, "centred": 1, "supports": 1,
     "outside_mass": 1, "centre_below": 1, "centre_above": 1, "delta_extent": 1, "linearization": 1,
+    "gathered": 1, "delta_low": 1, "delta_high": 1, "tail_low": 1, "tail_high": 1,
 }
 
 
@@ -414,6 +415,18 @@ def _union_rows(components, composed, merged, scaled_experts, weights, settings:
     columns = top.indices.sort(dim=-1).values  # (n, M)
     tail_low, tail_high = _pass(tail_delta_range, n, V, components, peak, top.values.amin(-1))  # (k, n) each
     gathered = torch.cat([components.gather(-1, columns.expand(k + 1, *columns.shape)), log_q.gather(-1, columns)[None]])
+    fields.update(
+        columns=columns, gathered=gathered, delta_low=delta_low, delta_high=delta_high, tail_low=tail_low, tail_high=tail_high
+    )
+    return fields
+
+
+def _union_columns(fields: dict, settings: OverlapSettings) -> dict:
+    """`_union_rows`'s gathered columns `(k+2, n, M)` -> centre, supports, probabilities, bounds' inputs."""
+    gathered, columns = fields.pop("gathered"), fields["columns"]
+    delta_low, delta_high = fields.pop("delta_low"), fields.pop("delta_high")
+    tail_low, tail_high = fields.pop("tail_low"), fields.pop("tail_high")
+    k = gathered.shape[0] - 2
     probs = gathered.exp()  # (k+2, n, M)
     outside_mass = (1 - probs.sum(-1)).clamp(min=0)  # (k+2, n)
     base, experts = gathered[0], gathered[1 : k + 1]
