@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from analysis.report import terminal_table
+from analysis.report import recommendation_text, terminal_table
 from analysis.run import OverlapRunConfig, run_overlap
 from composition.cli_common import add_common_flags
 from composition.io import read_yaml_mapping
@@ -50,6 +50,12 @@ def add_commands(subparsers) -> None:
         "instead of on the top-k union (whose outside mass the report gives)",
     )
     overlap.add_argument("--candidates", type=int, help="tokens in the top-k union per position (default 256)")
+    overlap.add_argument(
+        "--recommend", action="store_true", default=None,
+        help="say whether to merge or compose these experts: the unlabelled diagnostics on the composition's rollouts "
+        "from --data's prompts, read by the verdict rule fitted by `mergecompose predict-sweep` on synthetic tasks",
+    )
+    overlap.add_argument("--rule", help="with --recommend: a predict_rule.json to use instead of the shipped one")
     add_common_flags(overlap, out="output folder (refused if it exists, unless --overwrite)")
     overlap.set_defaults(overwrite=None)  # unset: the config's `overwrite` (or its default) applies
     overlap.set_defaults(func=run_overlap_command)
@@ -59,6 +65,7 @@ _SETTINGS_FLAGS = ("epsilon", "eta", "seed", "centre", "full_vocabulary", "candi
 _RUN_FLAGS = (
     "base", "experts", "merged", "data", "out", "overwrite", "tokenizer", "lam", "batch_size", "max_length",
     "max_records", "truncate", "rollouts", "max_new_tokens", "prompt_tokens", "parameter_density", "parameter_measures", "device",
+    "recommend", "rule",
 )
 
 
@@ -80,6 +87,9 @@ def run_overlap_command(args) -> int:
     config = config_from_args(args)
     results = run_overlap(config, progress=not args.quiet)  # its warnings: one line each (mergecompose_cli.main)
     print(terminal_table(results))
+    if "recommendation" in results:
+        print()
+        print(recommendation_text(results["recommendation"]))
     if not args.quiet:
         print(f"\nwrote {config.out}/overlap.json, overlap.md, config.yaml and plots")
     return 0

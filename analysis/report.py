@@ -165,6 +165,8 @@ def markdown(results: dict) -> str:
         tops = "; ".join(f"{name}: {' '.join(repr(str(t)) for t, _ in top[:3])}" for name, top in example["top"].items())
         lines.append(f"- `{context!r}` → {example.get('next_token', '')!r}; activity [{activity}]; top-3 {tops}")
     lines.append("")
+    if "recommendation" in results:
+        lines += ["## Merge or compose?", "", "```", recommendation_text(results["recommendation"]), "```", ""]
     return "\n".join(lines)
 
 
@@ -296,3 +298,17 @@ def write_outputs(folder: Path, results: dict, config: dict) -> list[str]:
         plot_gap_histogram(results["merge_compose_gap"]["histogram"], folder / "gap_histogram.png")
         names.append("gap_histogram.png")
     return names
+
+
+def recommendation_text(recommendation: dict) -> str:
+    """`--recommend`'s verdict with its evidence, as lines for the terminal and overlap.md."""
+    accuracy = recommendation["heldout_accuracy"]
+    sweep = recommendation.get("sweep") or {}
+    lines = [
+        f"Recommendation: {recommendation['verdict']}",
+        *(f"  {name}: {text}" for name, text in recommendation["evidence"].items()),
+        f"  the rule's accuracy on held-out task families: {format_number(accuracy)} over {recommendation['n_settings']} settings "
+        f"(sweep {sweep.get('name', '?')}, version {sweep.get('version', '?')})",
+        f"  note: {recommendation['caveat']}",
+    ]
+    return "\n".join(lines)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from analysis.data import encode_records, make_batches, prompt_batches, read_jsonl
 from analysis.measure import measure_overlap, rollout_batches
+from analysis.predict import load_rule, recommend, unlabelled_diagnostics
 from analysis.report import write_outputs
 from analysis.streaming import OverlapSettings
 from composition import ComposedLM
@@ -44,6 +45,10 @@ class OverlapRunConfig(BaseModel):
       of a text record).
     * `parameter_density`: the TIES trim's kept share for the parameter-space measures;
       `parameter_measures: false` skips them.
+    * `recommend`: also say whether to merge or compose (`analysis.predict`): the unlabelled
+      diagnostics on the composition's own rollouts (measured even if `rollouts` omits
+      "composed"), against the merge (`merged`, else the task-arithmetic merge at `lam` built in
+      memory), read by the verdict rule `rule` (a predict_rule.json; default the one shipped).
     """
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -67,6 +72,8 @@ class OverlapRunConfig(BaseModel):
     parameter_density: float = Field(0.2, gt=0, le=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     settings: OverlapSettings = Field(default_factory=OverlapSettings)
+    recommend: bool = False
+    rule: str | None = None
 
     @field_validator("data")
     @classmethod
@@ -76,7 +83,13 @@ class OverlapRunConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _known_rollouts(self) -> "OverlapRunConfig":
+    def _known_rollouts(self) -> OverlapRunConfig:
+        if self.rule is not None and not self.recommend:
+            raise ValueError("`rule` is the verdict rule of `recommend`; set `recommend: true` (--recommend) or drop it")
+        if self.rule is not None and not Path(self.rule).is_file():
+            raise ValueError(f"`rule` must be an existing predict_rule.json file, got {self.rule!r}")
+        if self.recommend and not self.parameter_measures:
+            raise ValueError("`recommend` reads the parameter-space measures too; drop `parameter_measures: false`")
         for source in self.rollouts:
             if source not in ("composed", "base", "experts") and not source.startswith("expert:"):
                 raise ValueError(
@@ -134,13 +147,14 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     inputs = [config.base, *config.experts, config.merged, config.data, config.tokenizer]
     refuse_output_over_inputs(config.out, inputs, "`out`")
     refuse_existing(config.out, config.overwrite)
+    rule = load_rule(config.rule) if config.recommend else None  # a bad rule file fails before any model loads
     records = read_jsonl(config.data, config.max_records)  # before any model loads: a bad file fails fast
     # The tokenizer too: loading it is quick, and a bad one should not cost loading every model first.
     tokenizer = AutoTokenizer.from_pretrained(check_tokenizer_source(config.tokenizer, "tokenizer")) if config.tokenizer else None
     device = _device(config.device)
     k = len(config.experts)
     composed = ComposedLM.from_pretrained(config.base, experts=config.experts, weights=[config.lam] * k, device_map=device)
-    sources = _rollout_sources(config.rollouts, composed.expert_names)
+    sources = _rollout_sources(config.rollouts + (["composed"] if config.recommend else []), composed.expert_names)
     tokenizer = tokenizer or composed.tokenizer
     if tokenizer is None:
         raise ValueError(f"no tokenizer found in `base` {config.base!r}; pass `tokenizer`")
@@ -179,6 +193,9 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
             model.load_state_dict(merge("task_arithmetic", base_model, [task_vector], lam=config.lam, progress=False))
             scaled.append(model)
     merged = None if config.merged is None else _load_causal_lm(config.merged, config.base, device)
+    if merged is None and config.recommend:
+        merged = AutoModelForCausalLM.from_pretrained(config.base).eval().to(device)
+        merged.load_state_dict(merge("task_arithmetic", base_model, list(task_vectors.values()), lam=config.lam, progress=False))
 
     common = dict(settings=config.settings, tokenizer=tokenizer, progress=progress)
     report = measure_overlap(
@@ -203,6 +220,10 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
             composed, rolled, merged_model=merged, scaled_expert_models=scaled, description=f"rollouts: {source}", **common
         ).to_dict()
         results["rollouts"][source] = rollout_report
+        if source == "composed" and rule is not None:
+            diagnostics, _ = unlabelled_diagnostics(composed, rolled, merged_model=merged, task_vectors=task_vectors,
+                                                    settings=config.settings, progress=progress)
+            results["recommendation"] = recommend(rule, diagnostics)
     results["experts_loaded"] = dict(zip(composed.expert_names, config.experts))
 
     resolved = config.model_dump()

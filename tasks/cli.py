@@ -1,4 +1,4 @@
-"""`mergecompose compare`, `skills-sweep` and `overlap-sweep`: the experiments on the synthetic tasks."""
+"""`mergecompose compare`, `skills-sweep`, `overlap-sweep` and `predict-sweep`: the experiments on the synthetic tasks."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from composition.io import load_yaml_config, markdown_table
 from tasks.compare import run_compare
 from tasks.config import load_config
 from tasks.letters.sweep import SweepConfig, run_sweep
+from tasks.predict import PredictConfig, run_predict_sweep
+from tasks.predict.report import ranked
 from tasks.skills.sweep import load_sweep_configs, run_skills_sweep
 
 
@@ -50,6 +52,19 @@ def add_commands(subparsers) -> None:
     )
     sweep.set_defaults(func=run_overlap_sweep_command)
 
+    predict = subparsers.add_parser(
+        "predict-sweep",
+        help="merge or compose? unlabelled diagnostics against composition and merge outcomes over many settings; fits the verdict rule",
+    )
+    predict.add_argument("config", help="a predict YAML (tasks.predict.PredictConfig), e.g. configs/predict.yaml")
+    add_common_flags(
+        predict, out="sweep folder: predict.json, predict.md, predict_rule.json, plots, cached checkpoints and per-setting results "
+        "(an interrupted sweep resumes from them)", out_required=True,
+        overwrite="replace the results of another config in --out (per-setting results still count where their inputs match)",
+        default_threads=1,
+    )
+    predict.set_defaults(func=run_predict_sweep_command)
+
 
 def run_compare_command(args) -> int:
     config = load_config(args.config)
@@ -80,4 +95,21 @@ def run_overlap_sweep_command(args) -> int:
         print(f"Spearman {name}: rho={format_number(correlation['rho'])} p={format_number(correlation['p_value'])} n={correlation['n']}")
     if not args.quiet:
         print(f"\nwrote {args.out}/sweep.json, sweep.md, overlap_vs_error.png, config.yaml")
+    return 0
+
+
+def run_predict_sweep_command(args) -> int:
+    config = load_yaml_config(args.config, PredictConfig, "predict config")
+    transformers_logging.disable_progress_bar()
+    results = run_predict_sweep(config, args.out, overwrite=args.overwrite, progress=not args.quiet, echo=None if args.quiet else print)
+    top = ranked(results, "spearman_compose_error")[:3]
+    keys = ["name", "family", "compose", "best_remedy", "best_merge"]
+    rows = [[r["name"], r["family"], *(r["outcomes"][k] for k in keys[2:]), *(r["diagnostics"][n] for n in top)] for r in results["settings"]]
+    print(markdown_table([*keys, *top], rows, cell=format_number, pad=True))
+    for key, entry in results["best"].items():
+        print(f"best {key}: {entry['diagnostic']} rho={format_number(entry['rho'])} ci95={entry['ci95']}")
+    verdict = results["verdict"]
+    print(f"verdict rule, leave-one-family-out: accuracy {format_number(verdict['heldout_accuracy'])} over {verdict['n_settings']} settings")
+    if not args.quiet:
+        print(f"\nwrote {args.out}/predict.json, predict.md, predict_rule.json, config.yaml and scatter plots")
     return 0

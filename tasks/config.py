@@ -185,6 +185,13 @@ def check_merge_grids(grids: dict[str, MergeGrid]) -> dict[str, MergeGrid]:
     return grids
 
 
+def check_some_merge_grids(grids: dict[str, MergeGrid]) -> dict[str, MergeGrid]:
+    """`check_merge_grids`, and at least one method (a sweep that picks the best merge needs one)."""
+    if not grids:
+        raise ValueError(f"`merges` must name at least one method; valid: {sorted(METHODS)}")
+    return check_merge_grids(grids)
+
+
 def _default_merges() -> dict[str, MergeGrid]:
     lams = [0.5, 0.75, 1.0, 1.25, 1.5]
     return {

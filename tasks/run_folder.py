@@ -36,22 +36,23 @@ def hold_run_folder(out_dir: Path, subfolders: Collection[str] = ("checkpoints",
 
 @contextlib.contextmanager
 def claim_run_dir(out_dir: Path, config_hash: str, overwrite: bool, kind: str, cached: Collection[str],
-                  subfolders: Collection[str] = ("checkpoints",)) -> Iterator[Path]:
+                  subfolders: Collection[str] = ("checkpoints",), results_name: str = "results.json") -> Iterator[Path]:
     """`check_run_dir`, then `hold_run_folder` for the block, then `check_run_dir` again under the lock.
 
     The first check keeps the lock file (and the folder the lock creates) out of a folder that is
     not a run's; the second sees the results another run may have written meanwhile.
     """
-    check_run_dir(out_dir, config_hash, overwrite, kind, cached)
+    check_run_dir(out_dir, config_hash, overwrite, kind, cached, results_name)
     with hold_run_folder(out_dir, subfolders):
-        check_run_dir(out_dir, config_hash, overwrite, kind, cached)
+        check_run_dir(out_dir, config_hash, overwrite, kind, cached, results_name)
         yield out_dir
 
 
-def check_run_dir(out_dir: Path, config_hash: str, overwrite: bool, kind: str, cached: Collection[str]) -> None:
+def check_run_dir(out_dir: Path, config_hash: str, overwrite: bool, kind: str, cached: Collection[str],
+                  results_name: str = "results.json") -> None:
     """Refuse `out_dir` unless it is absent, holds this config's results, or holds only `cached` entries.
 
-    A folder with another config's `results.json`, or with entries other than the `cached` ones
+    A folder with another config's results (`results_name`, a JSON with `config_hash`), or with entries other than the `cached` ones
     (checkpoints, cells, …, kept between runs) and the run lock, is refused unless `overwrite`;
     `kind` names the run folder in the error.
     """
@@ -59,7 +60,7 @@ def check_run_dir(out_dir: Path, config_hash: str, overwrite: bool, kind: str, c
         return
     if not out_dir.is_dir():
         raise ValueError(f"`out_dir` {str(out_dir)!r} exists and is not a folder")
-    results = out_dir / "results.json"
+    results = out_dir / results_name
     if results.is_file():
         previous = json.loads(results.read_text()).get("config_hash")
         if previous != config_hash and not overwrite:

@@ -30,18 +30,22 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from tqdm.auto import tqdm
 
 from analysis.report import format_number, json_safe
-from composition.io import atomic_write_text, markdown_table
-from tasks.letters.overlap import measure_letter_pair, pair_replacements, pair_strings
 from analysis.streaming import OverlapSettings
 from composition import ComposedLM
-from composition.io import read_yaml_mapping
-from merging import METHODS
+from composition.io import atomic_write_text, markdown_table, read_yaml_mapping
 from tasks.components import prepare_components
-from tasks.config import CompareConfig, MergeGrid, check_merge_grids, deep_merge, fingerprint
+from tasks.config import (
+    CompareConfig,
+    MergeGrid,
+    check_some_merge_grids,
+    deep_merge,
+    fingerprint,
+)
 from tasks.evaluate import ComposedSystem, EvalSet, ModelSystem, greedy_outputs
+from tasks.letters.overlap import measure_letter_pair, pair_replacements, pair_strings
+from tasks.letters.sweep_stats import plot_overlap_against_error, spearman, two_by_two
 from tasks.merge_selection import merged_model, search_merges
 from tasks.run_folder import hold_run_folder
-from tasks.letters.sweep_stats import plot_overlap_against_error, spearman, two_by_two
 
 
 def _default_merges() -> dict[str, MergeGrid]:
@@ -81,9 +85,7 @@ class SweepConfig(BaseModel):
     @field_validator("merges")
     @classmethod
     def _known_methods(cls, value):
-        if not value:
-            raise ValueError(f"`merges` must name at least one method; valid: {sorted(METHODS)}")
-        return check_merge_grids(value)
+        return check_some_merge_grids(value)
 
     @model_validator(mode="after")
     def _pairs_name_skills(self):
