@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from analysis.streaming import OverlapSettings
-from composition.io import read_yaml_mapping
+from composition.io import read_yaml_mapping, validation_message
 from composition.remedies import RemedySettings
 from tasks.config import CompareConfig, MergeGrid, check_some_merge_grids, deep_merge
 from tasks.letters.overlap import pair_replacements
@@ -121,9 +121,17 @@ class PredictConfig(_Strict):
         elif family.letter_skills is not None:
             raise ValueError(f"family {family_name!r}: `letter_skills` is for letters families, the compare config is {task.get('type')!r}")
         else:
-            task["num_experts"] = max(_k(family_name, s) for s in family.settings)
+            available = len(task.get("skills", []))
+            for setting in family.settings:
+                if _k(family_name, setting) > available:
+                    raise ValueError(f"family {family_name!r}, setting {setting.name!r}: `k` = {setting.k} but the compare "
+                                     f"config lists {available} skills")
+            task["num_experts"] = max(setting.k for setting in family.settings)
         data["task"] = task
-        config = CompareConfig.model_validate(data)
+        try:
+            config = CompareConfig.model_validate(data)
+        except ValidationError as error:
+            raise ValueError(f"family {family_name!r}: {validation_message(error)}") from None
         if config.task.formulation != "seq2seq":
             raise ValueError(f"family {family_name!r}: the sweep decodes prompts and needs the seq2seq formulation, got {config.task.formulation!r}")
         for setting in family.settings:
@@ -171,6 +179,3 @@ def _check_setting(family_name: str, config: CompareConfig, setting: SettingSpec
         return
     if setting.pair is not None:
         raise ValueError(f"{where}: a skills setting gives `k`, not `pair`")
-    available = len(config.task.skills)
-    if _k(family_name, setting) > available:
-        raise ValueError(f"{where}: `k` = {setting.k} but the compare config lists {available} skills")

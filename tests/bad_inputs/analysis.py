@@ -76,6 +76,21 @@ def _overlap(*extra, records=({"text": "ABCD ABCD XYZ"}, {"prompt": "CAB >", "co
     return build
 
 
+def _rule(env, text: str):
+    path = env.tmp / "rule.json"
+    path.write_text(text)
+    return path
+
+
+def _overlap_with_parameters(*extra):
+    """`_overlap` with the parameter-space measures (which `--recommend` needs)."""
+    def build(env):
+        cli = _overlap(*extra)(env)
+        cli.argv.remove("--no-parameter-measures")
+        return cli
+    return build
+
+
 CASES = [
     # measuring: batches and masks
     Case("measure-mask-all-zero", "silent", _measure(_batch(measure_mask=torch.zeros(1, 4, dtype=torch.bool))),
@@ -125,6 +140,12 @@ CASES = [
     Case("overlap-data-line-not-a-record", "traceback", _overlap(records=b'{"text": "AB"}\n{"question": "?"}\n'),
          r"data\.jsonl:2: a record must be"),
     Case("overlap-data-empty", "traceback", _overlap(records=b"\n"), r"data.jsonl' holds no records"),
+    # mergecompose overlap --recommend: its rule, before any model loads
+    Case("overlap-rule-without-recommend", "clear", lambda env: _overlap("--rule", str(_rule(env, "{}")))(env), r"`rule`.*--recommend"),
+    Case("overlap-recommend-rule-missing", "clear", _overlap("--recommend", "--rule", "no/such/rule.json"), r"`rule` must be an existing.*no/such/rule.json"),
+    Case("overlap-recommend-rule-not-a-rule", "clear", lambda env: _overlap_with_parameters("--recommend", "--rule", str(_rule(env, '{"compose": {}}')))(env),
+         r"merge.*Field required"),
+    Case("overlap-recommend-without-parameter-measures", "clear", _overlap("--recommend"), r"`recommend` reads the parameter-space measures"),
     # mergecompose demo
     Case("demo-max-new-tokens-beyond-context", "silent", lambda env: Cli(["demo", "--max-new-tokens", "300", "--quiet"]),
          r"`max_new_tokens`=300 needs \d+ positions, beyond the model's context of 256"),

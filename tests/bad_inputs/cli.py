@@ -84,6 +84,8 @@ def compare_with(mutate, source: str = "letters.yaml", command: str = "compare")
         config = _config(source, mutate)
         if "compare" in config:  # a sweep names its compare config relative to the repository
             config["compare"] = str(CONFIGS.parent / config["compare"])
+        for family in config.get("families", {}).values():  # so does each family of a predict-sweep
+            family["compare"] = str(CONFIGS.parent / family["compare"])
         path = _write(env, "config.yaml", yaml.safe_dump(config))
         return Cli([command, str(path), "--out", str(env.tmp / "out")])
     return build
@@ -146,4 +148,21 @@ CASES = [
     Case("cli-sweep-density-above-one", "clear",
          compare_with(_set("merges", "ties", "density", value=[2.0]), source="sweep_letters.yaml", command="overlap-sweep"),
          r"density.*2\.0"),
+    Case("cli-predict-pair-unknown-skill", "clear",
+         compare_with(lambda c: c["families"]["letters_weak"]["settings"].append({"name": "x", "pair": ["ab", "zz"]}),
+                      source="predict.yaml", command="predict-sweep"), r"letters_weak.*'zz'.*letter_skills"),
+    Case("cli-predict-k-beyond-skills", "clear",
+         compare_with(lambda c: c["families"]["skills_double"]["settings"].append({"name": "x", "k": 9}),
+                      source="predict.yaml", command="predict-sweep"), r"skills_double.*`k` = 9 but the compare config lists 4 skills"),
+    Case("cli-predict-skills-setting-with-pair", "clear",
+         compare_with(lambda c: c["families"]["skills_weak"]["settings"].append({"name": "x", "pair": ["a", "b"]}),
+                      source="predict.yaml", command="predict-sweep"), r"skills_weak.*needs `k`"),
+    Case("cli-predict-setting-name-repeated", "clear",
+         compare_with(lambda c: c["families"]["skills_weak"]["settings"].append({"name": "lc_ab_cd", "k": 2}),
+                      source="predict.yaml", command="predict-sweep"), r"unique.*lc_ab_cd"),
+    Case("cli-predict-no-merges", "clear", compare_with(_set("merges", value={}), source="predict.yaml", command="predict-sweep"),
+         r"`merges` must name at least one method"),
+    Case("cli-predict-lora-without-lora-training", "clear",
+         compare_with(lambda c: c["families"]["skills_double"].update(experts="lora"), source="predict.yaml", command="predict-sweep"),
+         r"skills_double.*`experts: lora` needs `training.experts.lora`"),
 ]
