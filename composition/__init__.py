@@ -3,13 +3,16 @@
 from composition.model import ComposedLM
 from composition.remedies import ActivityGate, PlausibilityFilter, RemedySettings, TerminationRule, compose_with_remedies
 from composition.rule import compose_logprobs
+from composition.speculative import SpeculationStats, outcome_probabilities
 
 __all__ = [
     "ActivityGate",
     "ComposedLM",
     "PlausibilityFilter",
     "RemedySettings",
+    "SpeculationStats",
     "TerminationRule",
     "compose_logprobs",
     "compose_with_remedies",
+    "outcome_probabilities",
 ]

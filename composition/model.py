@@ -39,11 +39,13 @@ from composition.adapters import TrainingFlags, check_adapter_names, load_adapte
 from composition.remedies import compose_with_remedies
 from composition.rule import check_weights
 from composition.sources import check_model_source, source_kind
+from composition.speculative import SpeculationStats, merged_full_draft, merged_lora_draft, speculative_decode
 from composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
 
 logger = logging.getLogger(__name__)
 
 LORA_IMPLEMENTATIONS = ("stacked", "peft")
+DEFAULT_DRAFT_TOKENS = 4
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -198,6 +200,7 @@ class _SharedAdapters:
 
     def __init__(self, base_model: PreTrainedModel, adapters: Mapping[str, object], implementation: str = "stacked"):
         self.flags = TrainingFlags(base_model)  # before peft freezes the base and sets eval()
+        self.adapters = dict(adapters)  # the sources, for a merged draft
         peft_model, adapter_names = load_adapters_on_base(base_model, adapters)
         self.components = ["__base__", *adapter_names]
         self.stacked = None
@@ -313,6 +316,9 @@ class ComposedLM:
         self.remedies = tuple(remedies)
         self.backend = None
         self._closed = False
+        self._merged_drafts: dict[tuple, PreTrainedModel] = {}
+        # What the last `generate(draft=...)` did (None after a call without a draft).
+        self.speculation_stats: SpeculationStats | None = None
 
     @classmethod
     def from_adapters(
@@ -443,6 +449,7 @@ class ComposedLM:
             return
         self.backend.close()
         self.backend = None  # drop the references to the models
+        self._merged_drafts = {}
         self._closed = True
 
     def __enter__(self) -> "ComposedLM":
@@ -539,6 +546,10 @@ class ComposedLM:
         stop_strings: str | Sequence[str] | None = None,
         tokenizer=None,
         truncate: bool = False,
+        draft: str | PreTrainedModel | None = None,
+        num_draft_tokens: int | None = None,
+        draft_lambda: Sequence[float] | None = None,
+        draft_tokenizer=None,
     ) -> torch.Tensor:
         """Decode from the composed distribution with one KV cache per component (or one shared one).
 
@@ -574,9 +585,26 @@ class ComposedLM:
         `truncate=True` its oldest tokens are dropped (left truncation, as lm-evaluation-harness
         does) so that it fits, with a warning that says how many. The returned rows then start
         with the kept part of the prompt.
+
+        **Speculative decoding** (`composition.speculative`): with `draft`, a draft model proposes
+        `num_draft_tokens` = K tokens (default 4, fixed: K does not adapt), the components score
+        all K+1 positions in one pass each, and the acceptance rule of Leviathan et al. (2023)
+        keeps the output exactly that of decoding without a draft: greedy, token for token (up to
+        float rounding between one pass over K+1 tokens and K+1 passes over one); sampling, in
+        distribution (the same seed draws other tokens). Temperature, top-k and top-p apply to
+        the composed target and to the draft before the test; the remedies apply to the target.
+        `draft="merged"` is the task-arithmetic merge of this composition's own experts,
+        θ_b + Σ_i λ_i (θ_i − θ_b), with λ_i = the composition's weights unless `draft_lambda`
+        gives them; it is built once per λ and kept (`merged_draft`). A model given as `draft`
+        must have the composition's vocabulary and device, and, where both are known, the same
+        tokenizer (`draft_tokenizer`). Rows of a batch accept their own numbers of tokens.
+        `speculation_stats` then says what happened (acceptance rate, tokens per round). With
+        LoRA experts on one shared base this warns: composing them already costs about one
+        pass of the base, so a draft can only add work.
         """
         self._check_open()
         _check_decoding(max_new_tokens, do_sample, temperature, top_k, top_p, seed)
+        num_draft_tokens = self._check_draft(draft, num_draft_tokens, draft_lambda, draft_tokenizer)
         stop_criteria = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer)
         if truncate and (position_ids is not None or generated_position_ids is not None):
             raise ValueError("`truncate=True` needs the default positions; drop `position_ids` and `generated_position_ids`")
@@ -610,6 +638,23 @@ class ComposedLM:
             torch.cat([position_ids, generated_position_ids], dim=1),
             f"the prompt ({prompt_length} tokens a row) plus `max_new_tokens`={max_new_tokens}",
         )
+        self.speculation_stats = None
+        if draft is not None:
+            draft_model = self.merged_draft(draft_lambda) if isinstance(draft, str) else draft
+            sequences, self.speculation_stats, invalid = speculative_decode(
+                self.backend,
+                _SeparateModels([draft_model]),
+                lambda logits: compose_with_remedies(logits, self.weights, self.remedies, validate=do_sample),
+                (lambda scores: _warped_probabilities(warpers, scores)) if do_sample else None,
+                input_ids=input_ids, attention_mask=attention_mask,
+                positions=torch.cat([position_ids, generated_position_ids], dim=1),
+                max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, pad_id=pad_id, eos_ids=eos_ids,
+                stop_criteria=stop_criteria, generator=generator,
+                holes=not any(_has_sliding_window(model) for model in [self.base_model, draft_model]),
+            )
+            if invalid:
+                raise ValueError(_NAN_COMPOSITION)
+            return sequences
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
         can_finish = eos_ids is not None or stop_criteria is not None
         # Greedy steps are checked for NaN on the device and the flag is read once at the end, so the
@@ -648,11 +693,85 @@ class ComposedLM:
                 logits_to_keep=1,
             )
         if invalid:
-            raise ValueError(
-                "the composed distribution was NaN at some step: a component produced NaN logits, or "
-                "every token was ruled out (-inf) by some component"
-            )
+            raise ValueError(_NAN_COMPOSITION)
         return sequences[:, :length]
+
+    # ------------------------------------------------------------------ drafts
+
+    def merged_draft(self, draft_lambda: Sequence[float] | None = None) -> PreTrainedModel:
+        """The task-arithmetic merge of this composition's experts, θ_b + Σ_i λ_i (θ_i − θ_b), as a model.
+
+        λ_i defaults to the composition's weights w_i. Full experts are merged tensor by tensor
+        (`composition.speculative.merged_full_draft`); LoRA experts add λ_i ΔW_i to a copy of the
+        base (`merged_lora_draft`). Tensors the merge leaves unchanged are shared with the base.
+        Built once per λ and kept until `close()`."""
+        self._check_open()
+        lambdas = tuple(self.weights or [1.0] * self.num_experts) if draft_lambda is None else tuple(draft_lambda)
+        if lambdas not in self._merged_drafts:
+            if isinstance(self.backend, _SeparateModels):
+                model = merged_full_draft(self.backend.models[0], self.backend.models[1:], lambdas)
+            else:
+                model = merged_lora_draft(self.backend.base_model, self.backend.adapters, lambdas)
+            self._merged_drafts[lambdas] = model
+        return self._merged_drafts[lambdas]
+
+    def _check_draft(self, draft, num_draft_tokens, draft_lambda, draft_tokenizer) -> int:
+        """Check the speculative-decoding arguments before any work; return K."""
+        if draft is None:
+            given = [name for name, value in [("num_draft_tokens", num_draft_tokens), ("draft_lambda", draft_lambda),
+                                              ("draft_tokenizer", draft_tokenizer)] if value is not None]
+            if given:
+                raise ValueError(f"`{given[0]}` needs a draft; pass `draft='merged'` or a draft model, or leave it out")
+            return 0
+        if num_draft_tokens is None:
+            num_draft_tokens = DEFAULT_DRAFT_TOKENS
+        if not _is_integer(num_draft_tokens) or num_draft_tokens < 1:
+            raise ValueError(f"`num_draft_tokens` must be an integer >= 1 (tokens drafted a round), got {num_draft_tokens!r}")
+        if isinstance(draft, str):
+            if draft != "merged":
+                raise ValueError(f"`draft` must be None, 'merged' or a causal LM with the composition's vocabulary, got {draft!r}")
+            if draft_tokenizer is not None:
+                raise ValueError("`draft_tokenizer` is for a draft model; draft='merged' has the composition's tokenizer")
+            if draft_lambda is not None and not (
+                isinstance(draft_lambda, (Sequence, torch.Tensor)) and not isinstance(draft_lambda, (str, bytes))
+                and len(draft_lambda) == self.num_experts and all(_is_number(x) and math.isfinite(x) for x in draft_lambda)
+            ):
+                raise ValueError(
+                    f"`draft_lambda` must hold one finite λ_i per expert ({self.num_experts}), got {draft_lambda!r}"
+                )
+        else:
+            self._check_draft_model(draft, draft_lambda, draft_tokenizer)
+        if isinstance(self.backend, _SharedAdapters):
+            warnings.warn(
+                "draft: these LoRA experts share one base, and composing them costs about one pass of the base "
+                "per token already, so a draft can only add work (see README, 'When to use a draft')",
+                UserWarning,
+                stacklevel=3,
+            )
+        return num_draft_tokens
+
+    def _check_draft_model(self, draft, draft_lambda, draft_tokenizer) -> None:
+        if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "get_output_embeddings"):
+            raise TypeError(
+                f"`draft` must be None, 'merged' or a transformers causal LM, got {type(draft).__name__}"
+            )
+        if draft_lambda is not None:
+            raise ValueError("`draft_lambda` sets the λ_i of draft='merged'; a draft model is used as given")
+        parameter = next(draft.parameters(), None)
+        if parameter is not None and parameter.device != self.device:
+            raise ValueError(
+                f"`draft` must be on the composition's device {self.device}, got a model on {parameter.device}"
+            )
+        draft_vocab = vocab_size(draft)
+        if draft_vocab != self.vocab_size:
+            raise ValueError(
+                f"`draft` must have the composition's vocabulary of {self.vocab_size} tokens, got a model with "
+                f"{draft_vocab} output tokens"
+            )
+        if draft_tokenizer is not None and self.tokenizer is not None:
+            difference = _vocab_difference(draft_tokenizer, self.tokenizer)
+            if difference:
+                raise ValueError(f"`draft_tokenizer` must be the composition's tokenizer, got one that differs: {difference}")
 
     # ------------------------------------------------------------------ helpers
 
@@ -800,6 +919,26 @@ class DecodedStops:
         return torch.tensor(done, dtype=torch.bool, device=generated.device)
 
 
+def _has_sliding_window(model: torch.nn.Module) -> bool:
+    """Whether the model's config sets a sliding attention window (Gemma-2, Mistral, ...): it counts cache columns."""
+    return bool(getattr(getattr(model, "config", None), "sliding_window", None))
+
+
+_NAN_COMPOSITION = (
+    "the composed distribution was NaN at some step: a component produced NaN logits, or "
+    "every token was ruled out (-inf) by some component"
+)
+
+
+def _warped_probabilities(warpers: LogitsProcessorList, scores: torch.Tensor) -> torch.Tensor:
+    """softmax(warpers(scores)) at every position, `(..., V)` -> `(..., V)`: what sampling draws from.
+
+    The warpers (temperature, top-k, top-p) look at one row of scores each, never at the ids."""
+    flat = scores.reshape(-1, scores.shape[-1])  # (N, V)
+    no_ids = torch.zeros((flat.shape[0], 0), dtype=torch.long, device=flat.device)
+    return torch.softmax(warpers(no_ids, flat), dim=-1).view(scores.shape)
+
+
 def _warpers(do_sample, temperature, top_k, top_p) -> LogitsProcessorList:
     """transformers' own warpers, applied to the composed log-probs when sampling."""
     warpers = LogitsProcessorList()
@@ -846,16 +985,20 @@ def _check_tokenizers(tokenizers, n_components: int):
             f"`tokenizers` must hold one tokenizer per component ({n_components}, base first), "
             f"got {len(tokenizers)}"
         )
-    base_vocab = tokenizers[0].get_vocab()
     for index, tokenizer in enumerate(tokenizers[1:]):
-        vocab = tokenizer.get_vocab()
-        if vocab != base_vocab:
-            differing = sorted(set(vocab.items()) ^ set(base_vocab.items()))[:5]
-            raise ValueError(
-                f"tokenizer mismatch: the tokenizer of expert {index} ({len(vocab)} tokens) differs from "
-                f"the base's ({len(base_vocab)} tokens); first differing (token, id) pairs: {differing}"
-            )
+        difference = _vocab_difference(tokenizer, tokenizers[0])
+        if difference:
+            raise ValueError(f"tokenizer mismatch: the tokenizer of expert {index} differs from the base's: {difference}")
     return tokenizers[0]
+
+
+def _vocab_difference(tokenizer, reference) -> str:
+    """How `tokenizer`'s vocabulary differs from `reference`'s, in words ("" if they are the same)."""
+    vocab, reference_vocab = tokenizer.get_vocab(), reference.get_vocab()
+    if vocab == reference_vocab:
+        return ""
+    differing = sorted(set(vocab.items()) ^ set(reference_vocab.items()))[:5]
+    return f"{len(vocab)} tokens against {len(reference_vocab)}; first differing (token, id) pairs: {differing}"
 
 
 def is_adapter_source(source: str | os.PathLike, argument: str = "source") -> bool:

@@ -127,3 +127,45 @@ CASES = [
     # lm-eval's string model_args
     Case("lm-eval-chunk-megabytes-not-a-number", "traceback", lm_eval_chunk_not_a_number, r"`chunk_megabytes` must be a positive integer.*got .lots."),
 ]
+
+
+# speculative decoding (`generate(draft=...)`)
+from analysis.data import char_tokenizer  # noqa: E402 - rows appended below the table above
+from composition.tiny import random_llama, tiny_llama_config  # noqa: E402
+
+
+def _speculate(draft=None, composed=_composed, **kwargs):
+    def build(env):
+        options = {"max_new_tokens": 2, "eos_token_id": [], "draft": draft(env) if callable(draft) else draft} | kwargs
+        return Api(lambda: composed(env).generate(_prompt(), **options))
+    return build
+
+
+def _with_tokenizer(env) -> ComposedLM:
+    return ComposedLM(env.base_model, [env.base_model], tokenizers=char_tokenizer(_CHARACTERS))
+
+
+def _other_vocabulary(env):
+    return random_llama(tiny_llama_config(vocab_size=80), seed=3)
+
+
+_CHARACTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234567"  # 60 + 4 special tokens = 64 ids
+
+CASES += [
+    Case("generate-draft-other-vocabulary", "clear", _speculate(_other_vocabulary),
+         r"`draft` must have the composition's vocabulary of 64 tokens, got a model with 80"),
+    Case("generate-draft-tokens-zero", "clear", _speculate("merged", num_draft_tokens=0),
+         r"`num_draft_tokens` must be an integer >= 1.*got 0"),
+    Case("generate-draft-tokens-negative", "clear", _speculate("merged", num_draft_tokens=-3),
+         r"`num_draft_tokens` must be an integer >= 1.*got -3"),
+    Case("generate-draft-on-another-device", "clear", _speculate(lambda env: random_llama(env.tiny_config, 0).to("meta")),
+         r"`draft` must be on the composition's device cpu, got a model on meta"),
+    Case("generate-draft-other-tokenizer", "clear",
+         _speculate(lambda env: env.base_model, _with_tokenizer, draft_tokenizer=char_tokenizer(_CHARACTERS[::-1])),
+         r"`draft_tokenizer` must be the composition's tokenizer, got one that differs: 64 tokens against 64"),
+    Case("generate-draft-unknown-name", "clear", _speculate("merge"), r"`draft` must be None, 'merged' or a causal LM.*got 'merge'"),
+    Case("generate-draft-lambda-wrong-length", "clear", _speculate("merged", draft_lambda=[1.0, 2.0]),
+         r"`draft_lambda` must hold one finite λ_i per expert \(1\), got \[1\.0, 2\.0\]"),
+    Case("generate-draft-tokens-without-draft", "clear", _speculate(None, num_draft_tokens=3),
+         r"`num_draft_tokens` needs a draft"),
+]
