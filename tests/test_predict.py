@@ -3,6 +3,7 @@ end to end (4 settings, scaled down) and `mergecompose overlap --recommend`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -28,6 +29,10 @@ from analysis.predict import (
 from composition import ComposedLM
 from composition.rule import compose_logprobs
 from mergecompose_cli import main
+from tasks.components import prepare_components
+from tasks.predict import PredictConfig
+from tasks.predict.config import SettingSpec
+from tasks.predict.run import measure_setting
 from tasks.predict.stats import (
     correlation_with_interval,
     fit_threshold,
@@ -283,3 +288,19 @@ def test_overlap_recommend_prints_the_rule_s_verdict_on_these_diagnostics(checkp
     # A rule without --recommend is refused in one line.
     assert main([*args, "--rule", str(rule_path), "--out", str(tmp_path / "out2")]) == 2
     assert "--recommend" in capsys.readouterr().err
+
+
+def test_a_setting_s_expert_noise_reaches_its_experts(small_sweep):
+    config_path, out, _ = small_sweep
+    config = PredictConfig.model_validate(yaml.safe_load(config_path.read_text()))
+    family = config.families["skills"]
+    components = prepare_components(config.compare_config("skills"), out, progress=False)  # cached: nothing trains
+    measured = {}
+    for noise in (0.0, 0.35):
+        setting = SettingSpec(name=f"k2_{noise}", k=2, expert_noise=noise)
+        compare = config.setting_config("skills", setting)
+        variant = dataclasses.replace(components, expert_variant=compare.task.expert_variant)
+        measured[noise] = measure_setting(config, compare, family, setting, variant)["diagnostics"]
+    # Noise of 0.35 × RMS on every task-vector tensor: other task vectors, other outputs.
+    for name in ("parameter_cosine_max", "parameter_ties_sign_conflict_max", "expert_kl_mean"):
+        assert measured[0.35][name] != pytest.approx(measured[0.0][name], rel=1e-3), name

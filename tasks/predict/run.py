@@ -18,6 +18,7 @@ changed setting is measured again. Components are trained once into `OUT/checkpo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import time
@@ -115,6 +116,8 @@ def _setting_record(config: PredictConfig, family_name: str, family: FamilySpec,
         if cached.get("key") == key:
             return cached
     started = time.perf_counter()
+    # The setting's own variant of each expert (e.g. `expert_noise`), on the family's shared checkpoints.
+    components = dataclasses.replace(components, expert_variant=compare.task.expert_variant)
     record = {"name": setting.name, "family": family_name, "key": key, "experts_kind": family.experts}
     record.update(measure_setting(config, compare, family, setting, components, progress))
     record["seconds"] = round(time.perf_counter() - started, 1)
