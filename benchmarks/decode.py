@@ -5,12 +5,25 @@ Systems, all greedy, same prompts, same number of new tokens (EOS disabled):
   (b) full    ComposedLM with two full expert models (one KV cache each)
   (c) lora    ComposedLM.from_adapters: two LoRA experts on one shared base, one batched pass
   (d) naive   re-runs base and both experts on the whole prefix every step (as DExperts does)
+  (e) full+spec   (b) with speculative decoding, the task-arithmetic merge of its experts as the draft
+  (f) lora+spec   (c) likewise (it warns: composing LoRA experts already costs about one base pass)
+
+(e) and (f) are also reported against the composition they speed up, with their acceptance rate a
+and the speed-up 3·E/(K+3), E = (1 − a^(K+1))/(1 − a), that a draft pass costing a third of a
+composed step would give.
+
+Models: seeded random ones (the Llama sized by the flags, or `--arch gemma2-2b`), whose LoRA
+experts are small random updates; or, with `--letters RUN_DIR`, the trained letters models of a
+`mergecompose compare` run (its cached checkpoints, trained first if missing): coupled positions,
+held-out strings of the joint split, each string's L characters and EOS generated.
 
 Timing: one warm-up, then `--repeats` rounds in which every system runs once (interleaved);
 the median per system is reported as tokens/s and as a ratio to (a). Peak resident memory is
 measured for each system in its own fresh subprocess (VmHWM, see benchmarks.memory).
 
     python -m benchmarks.decode                   # ~28 M-parameter Llama, batch 1 and 8
+    python -m benchmarks.decode --systems base full full+spec --batch-sizes 1 --no-memory
+    python -m benchmarks.decode --letters runs/letters --systems base full full+spec lora lora+spec --batch-sizes 1
     python -m benchmarks.decode --smoke           # tiny sizes, one repeat (CI smoke run)
 """
 
@@ -25,17 +38,26 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
-
 from transformers import AutoModelForCausalLM
 
 from benchmarks.memory import peak_rss_mib
 from benchmarks.report import write_results
-from composition import ComposedLM, compose_logprobs
+from composition import ComposedLM, SpeculationStats, compose_logprobs
 from composition.io import markdown_table
 from composition.tiny import ALL_LINEAR, tiny_llama_config
+from tasks.components import prepare_components
+from tasks.config import load_config
+from tasks.letters.task import sample_strings
+from tasks.strings import is_held_out
+from tasks.tokenizer import encode_strings
 
 SYSTEMS = ["base", "full", "lora", "naive"]
+# Speculative systems -> the composition each one speeds up.
+SPECULATIVE = {"full+spec": "full", "lora+spec": "lora"}
+NAMES = {"base": "(a) base generate", "full": "(b) composed, full", "lora": "(c) composed, LoRA",
+         "naive": "(d) naive re-run", "full+spec": "(e) full + merged draft", "lora+spec": "(f) LoRA + merged draft"}
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +68,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--expert-scale", type=float, default=0.05,
+                        help="random LoRA factors are multiplied by this (larger: experts farther from the base, a poorer merge)")
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -57,7 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arch", default="llama", choices=["llama", "gemma2-2b"],
                         help="llama: sized by the flags below; gemma2-2b: a random Gemma-2-2B-shaped model")
     add_workload_arguments(parser)
-    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + list(SPECULATIVE))
+    parser.add_argument("--draft-tokens", type=int, default=4, help="K, tokens drafted a round by (e) and (f)")
+    parser.add_argument("--draft-lambda", type=float, nargs="+", default=None,
+                        help="λ_i of the merged draft (default: the composition's weights, 1.0 each)")
+    parser.add_argument("--letters", default=None, metavar="RUN_DIR",
+                        help="the trained letters models of this compare run folder (its config.yaml and checkpoints/)")
+    parser.add_argument("--letters-strings", type=int, default=16, help="held-out joint strings per run (--letters)")
+    parser.add_argument("--letters-length", type=int, default=16, help="their length L; L + 1 tokens are generated")
     parser.add_argument("--lora-implementation", default="stacked", choices=["stacked", "peft"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
@@ -94,13 +125,47 @@ def model_config(args):
 
 
 class Workbench:
-    """The models for every system, built once from seeded random weights."""
+    """The models for every system, built once: seeded random ones, or (`--letters`) trained letters models.
+
+    `systems[name](prompt)` decodes one prompt batch (a dict of `generate` inputs); `prompts(batch)`
+    is the list of prompt batches one timed run decodes; `new_tokens` tokens are made per row.
+    """
 
     def __init__(self, args, systems):
-        from peft import LoraConfig, PeftModel, get_peft_model
-
         self.args = args
         self.device = torch.device(args.device)
+        self.speculation: dict[str, list[SpeculationStats]] = {name: [] for name in SPECULATIVE}
+        if getattr(args, "letters", None):
+            fresh_base, full_experts, adapters = self._letters_models(args)
+        else:
+            fresh_base, full_experts, adapters = self._random_models(args)
+        self.new_tokens = args.new_tokens
+
+        self.systems = {}
+        experts = full_experts() if {"full", "naive", "full+spec"} & set(systems) else []
+        if {"base", "full", "naive", "full+spec"} & set(systems):
+            self.base = fresh_base()
+        if "base" in systems:
+            self.systems["base"] = self._run_base
+        if {"full", "full+spec"} & set(systems):
+            self.full = ComposedLM(self.base, experts)
+        if {"lora", "lora+spec"} & set(systems):
+            self.lora = ComposedLM.from_adapters(fresh_base(), adapters, lora_implementation=args.lora_implementation)
+        for name in ["full", "lora"]:
+            if name in systems:
+                self.systems[name] = lambda prompt, name=name: getattr(self, name).generate(**prompt, **self._decoding)
+        for name, plain in SPECULATIVE.items():
+            if name in systems:
+                self.systems[name] = lambda prompt, name=name, plain=plain: self._speculate(name, getattr(self, plain), prompt)
+        if "naive" in systems:
+            self.naive_models = [self.base, *experts]
+            self.systems["naive"] = self._run_naive
+
+    # ------------------------------------------------------------------ the models
+
+    def _random_models(self, args):
+        from peft import LoraConfig, PeftModel, get_peft_model
+
         dtype = getattr(torch, args.dtype)
         self.config = model_config(args)
 
@@ -129,56 +194,88 @@ class Workbench:
             with torch.no_grad():
                 for name, parameter in peft_model.named_parameters():
                     if "lora_" in name:
-                        parameter.mul_(0.05)
+                        parameter.mul_(getattr(args, "expert_scale", 0.05))
             adapter_dirs.append(Path(self._folder.name) / f"expert_{index}")
             peft_model.save_pretrained(str(adapter_dirs[-1]))
             base = peft_model.unload()
         del base, peft_model
 
-        self.systems = {}
-        experts = []
-        if {"full", "naive"} & set(systems):
-            for adapter_dir in adapter_dirs:
-                experts.append(PeftModel.from_pretrained(fresh_base(), str(adapter_dir)).merge_and_unload().eval())
-        if {"base", "full", "naive"} & set(systems):
-            self.base = fresh_base()
-        if "base" in systems:
-            self.systems["base"] = self._run_base
-        if "full" in systems:
-            self.full = ComposedLM(self.base, experts)
-            self.systems["full"] = lambda ids, mask: self.full.generate(ids, mask, max_new_tokens=args.new_tokens)
-        if "lora" in systems:
-            self.lora = ComposedLM.from_adapters(
-                fresh_base(), {f"expert_{i}": str(d) for i, d in enumerate(adapter_dirs)},
-                lora_implementation=args.lora_implementation,
-            )
-            self.systems["lora"] = lambda ids, mask: self.lora.generate(ids, mask, max_new_tokens=args.new_tokens)
-        if "naive" in systems:
-            self.naive_models = [self.base, *experts]
-            self.systems["naive"] = self._run_naive
+        def full_experts():
+            return [PeftModel.from_pretrained(fresh_base(), str(folder)).merge_and_unload().eval() for folder in adapter_dirs]
+
+        self._decoding = {"max_new_tokens": args.new_tokens}
+        self._prompt_batches = self._random_prompts
+        return fresh_base, full_experts, {f"expert_{i}": str(folder) for i, folder in enumerate(adapter_dirs)}
+
+    def _letters_models(self, args):
+        """The compare run's trained base, its joint experts (full and LoRA), and held-out joint strings."""
+        config = load_config(Path(args.letters) / "config.yaml")
+        components = prepare_components(config, Path(args.letters), progress=False)
+        tokenizer, self.format = components.tokenizer, components.format
+        self.config = AutoModelForCausalLM.from_pretrained(components.base_dir).config
+        joint = list(config.task.joint)
+
+        def fresh_base():
+            model = components.load_base().to(self.device)
+            model.generation_config.eos_token_id = None  # EOS is generated, but does not stop a run
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+            return model
+
+        def full_experts():
+            return [components.load_expert(name).to(self.device) for name in joint]
+
+        task = config.task.letter_task()
+        member = task.membership("joint")
+        strings = sample_strings(config.task.alphabet, args.letters_length, args.letters_strings, np.random.default_rng(0),
+                                 keep=lambda text: is_held_out(text) and member(text))
+        self.letter_ids = encode_strings(tokenizer, strings)
+        args.new_tokens = args.letters_length + 1  # the characters, then EOS
+        self.parameters = fresh_base().num_parameters()
+        self._decoding = {"max_new_tokens": args.new_tokens, "eos_token_id": [], "pad_token_id": tokenizer.pad_token_id}
+        self._prompt_batches = self._letter_prompts
+        return fresh_base, full_experts, {name: str(components.adapters[name]) for name in joint}
+
+    # ------------------------------------------------------------------ prompts and runs
+
+    def prompts(self, batch: int) -> list[dict]:
+        """The prompt batches of one run: `generate` inputs (ids, mask and, for letters, positions) on the device."""
+        return [{key: value.to(self.device) for key, value in prompt.items()} for prompt in self._prompt_batches(batch)]
+
+    def _random_prompts(self, batch):
+        generator = torch.Generator().manual_seed(batch)
+        ids = torch.randint(3, self.config.vocab_size, (batch, self.args.prompt_length), generator=generator)
+        return [{"input_ids": ids, "attention_mask": torch.ones_like(ids)}]
+
+    def _letter_prompts(self, batch):
+        prompts = []
+        for start in range(0, len(self.letter_ids) - batch + 1, batch):
+            prompt = self.format.prompt(self.letter_ids[start : start + batch], self.new_tokens)
+            prompts.append({"input_ids": prompt.input_ids, "attention_mask": prompt.attention_mask,
+                            "position_ids": prompt.position_ids, "generated_position_ids": prompt.generated_position_ids})
+        return prompts
+
+    def _speculate(self, name, composed, prompt):
+        out = composed.generate(**prompt, **self._decoding, draft="merged", num_draft_tokens=self.args.draft_tokens,
+                                draft_lambda=self.args.draft_lambda)
+        self.speculation[name].append(composed.speculation_stats)
+        return out
 
     @torch.no_grad()
-    def _run_base(self, ids, mask):
-        return self.base.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=self.args.new_tokens,
-            min_new_tokens=self.args.new_tokens, do_sample=False,
-        )
+    def _run_base(self, prompt):
+        # transformers continues `position_ids` by one per token: the letters' generated positions.
+        prompt = {key: value for key, value in prompt.items() if key != "generated_position_ids"}
+        return self.base.generate(**prompt, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, do_sample=False)
 
     @torch.no_grad()
-    def _run_naive(self, ids, mask):
-
-        for _ in range(self.args.new_tokens):
+    def _run_naive(self, prompt):
+        ids, mask = prompt["input_ids"], prompt["attention_mask"]
+        for _ in range(self.new_tokens):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             logits = [m(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1] for m in self.naive_models]
             next_tokens = compose_logprobs(logits[0], logits[1:]).argmax(-1)
             ids = torch.cat([ids, next_tokens[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         return ids
-
-    def prompts(self, batch):
-        generator = torch.Generator().manual_seed(batch)
-        ids = torch.randint(3, self.config.vocab_size, (batch, self.args.prompt_length), generator=generator)
-        return ids.to(self.device), torch.ones_like(ids).to(self.device)
 
 
 def _sync(device):
@@ -187,38 +284,61 @@ def _sync(device):
 
 
 def time_systems(bench: Workbench, batch: int, repeats: int) -> dict[str, float]:
-    """Median seconds per run of each system, interleaved, after one warm-up each."""
-    ids, mask = bench.prompts(batch)
-    for run in bench.systems.values():
-        run(ids, mask)
+    """Median seconds per run of each system (every prompt batch once), interleaved, after one warm-up each."""
+    prompts = bench.prompts(batch)
+
+    def run(name):
+        for prompt in prompts:
+            out = bench.systems[name](prompt)
+            made = out.shape[1] - prompt["input_ids"].shape[1]
+            if made != bench.new_tokens:
+                raise RuntimeError(f"{name} made {made} tokens, not {bench.new_tokens}")
+
+    for name in bench.systems:
+        run(name)
+    for stats in bench.speculation.values():
+        stats.clear()  # the warm-up's are not counted
     seconds = {name: [] for name in bench.systems}
     for _ in range(repeats):
-        for name, run in bench.systems.items():
+        for name in bench.systems:
             _sync(bench.device)
             start = time.perf_counter()
-            out = run(ids, mask)
+            run(name)
             _sync(bench.device)
             seconds[name].append(time.perf_counter() - start)
-            if out.shape[1] != ids.shape[1] + bench.args.new_tokens:
-                raise RuntimeError(f"{name} made {out.shape[1] - ids.shape[1]} tokens, not {bench.args.new_tokens}")
     return {name: statistics.median(values) for name, values in seconds.items()}
+
+
+def speculation_summary(runs: list[SpeculationStats], draft_tokens: int) -> dict:
+    """The acceptance statistics summed over `runs`, and the speed-up 3·E/(K+3) they predict for 2 full experts."""
+    total = SpeculationStats(draft_tokens)
+    for stats in runs:
+        for field in ["rounds", "row_rounds", "draft_passes", "drafted", "tested", "accepted", "emitted"]:
+            setattr(total, field, getattr(total, field) + getattr(stats, field))
+    a = total.acceptance_rate
+    expected = (draft_tokens + 1) if a == 1 else (1 - a ** (draft_tokens + 1)) / (1 - a)
+    return {**total.as_dict(), "predicted_speedup": 3 * expected / (draft_tokens + 3)}
 
 
 def peak_rss_mb(args, system: str) -> float:
     """Peak RSS (MiB; on CUDA, peak device memory) of a fresh process that builds only `system` and decodes batch 1 once."""
     command = [sys.executable, "-m", "benchmarks.decode", "--memory-child", system]
-    for key in ["hidden", "layers", "heads", "intermediate", "vocab", "rank", "prompt_length", "new_tokens"]:
+    for key in ["hidden", "layers", "heads", "intermediate", "vocab", "rank", "expert_scale", "prompt_length", "new_tokens", "draft_tokens",
+                "letters_strings", "letters_length"]:
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     command += ["--dtype", args.dtype, "--device", args.device, "--arch", args.arch,
                 "--lora-implementation", args.lora_implementation]
+    if args.letters:
+        command += ["--letters", args.letters]
+    if args.draft_lambda:
+        command += ["--draft-lambda", *map(str, args.draft_lambda)]
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return float(output.strip().splitlines()[-1])
 
 
 def memory_child(args) -> None:
     bench = Workbench(args, [args.memory_child])
-    ids, mask = bench.prompts(1)
-    bench.systems[args.memory_child](ids, mask)
+    bench.systems[args.memory_child](bench.prompts(1)[0])
     if bench.device.type == "cuda":
         print(torch.cuda.max_memory_allocated() / 2**20)  # peak device memory, MiB
     else:
@@ -226,7 +346,10 @@ def memory_child(args) -> None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.letters and "naive" in args.systems:
+        parser.error("--letters: the naive system re-runs with default positions; leave `naive` out of --systems")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_child:
@@ -238,17 +361,23 @@ def main(argv=None) -> int:
     parameters = bench.parameters
     results = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
                "device": args.device, "dtype": args.dtype, "parameters": parameters, "args": vars(args), "batches": {}}
-    print(f"decode benchmark: {parameters / 1e6:.1f} M parameters, {args.dtype} on {args.device}, "
-          f"prompt {args.prompt_length}, {args.new_tokens} new tokens, median of {args.repeats}")
+    models = f"letters models of {args.letters}" if args.letters else f"{parameters / 1e6:.1f} M parameters"
+    print(f"decode benchmark: {models}, {args.dtype} on {args.device}, prompt {args.prompt_length if not args.letters else 'a letter string'}, "
+          f"{bench.new_tokens} new tokens, median of {args.repeats}")
     for batch in args.batch_sizes:
         medians = time_systems(bench, batch, args.repeats)
         rows = {}
         for name, seconds in medians.items():
-            tokens_per_second = batch * args.new_tokens / seconds
-            rows[name] = {"seconds": seconds, "tokens_per_second": tokens_per_second}
-        if "base" in rows:
-            for name in rows:
-                rows[name]["ratio_to_base"] = rows[name]["tokens_per_second"] / rows["base"]["tokens_per_second"]
+            tokens = batch * bench.new_tokens * len(bench.prompts(batch))
+            rows[name] = {"seconds": seconds, "tokens_per_second": tokens / seconds}
+        for name, row in rows.items():
+            if "base" in rows:
+                row["ratio_to_base"] = row["tokens_per_second"] / rows["base"]["tokens_per_second"]
+            if name in SPECULATIVE:
+                row.update(speculation_summary(bench.speculation[name], args.draft_tokens))
+                bench.speculation[name].clear()
+                if SPECULATIVE[name] in rows:
+                    row["ratio_to_composition"] = row["tokens_per_second"] / rows[SPECULATIVE[name]]["tokens_per_second"]
         results["batches"][str(batch)] = rows
     if not args.no_memory:
         results["peak_rss_mb"] = {name: peak_rss_mb(args, name) for name in args.systems}
@@ -257,18 +386,23 @@ def main(argv=None) -> int:
     return 0
 
 
+def _ratio(row, key) -> str:
+    return f"{row[key]:.3f}" if key in row else "-"
+
+
 def print_table(results) -> None:
-    names = {"base": "(a) base generate", "full": "(b) composed, full", "lora": "(c) composed, LoRA", "naive": "(d) naive re-run"}
     rows = [
-        [names[name], batch, f"{row['tokens_per_second']:.1f}", f"{row['ratio_to_base']:.3f}" if "ratio_to_base" in row else "-"]
+        [NAMES[name], batch, f"{row['tokens_per_second']:.1f}", _ratio(row, "ratio_to_base"), _ratio(row, "ratio_to_composition"),
+         _ratio(row, "acceptance_rate"), _ratio(row, "tokens_per_round"), _ratio(row, "predicted_speedup")]
         for batch, batch_rows in results["batches"].items()
         for name, row in batch_rows.items()
     ]
-    print(markdown_table(["system", "batch", "tokens/s", "ratio to (a)"], rows, pad=True))
+    print(markdown_table(["system", "batch", "tokens/s", "ratio to (a)", "ratio to its composition", "acceptance a",
+                          "tokens a round", "3E/(K+3)"], rows, pad=True))
     if "peak_rss_mb" in results:
         memory = results["peak_rss_mb"]
         rows = [
-            [names[name], f"{value:.1f}", f"{value / memory['base']:.3f}" if "base" in memory else "-"]
+            [NAMES[name], f"{value:.1f}", f"{value / memory['base']:.3f}" if "base" in memory else "-"]
             for name, value in memory.items()
         ]
         print(markdown_table(["system", "peak RSS MiB", "ratio to (a)"], rows, pad=True))

@@ -746,7 +746,7 @@ class ComposedLM:
                 "draft: these LoRA experts share one base, and composing them costs about one pass of the base "
                 "per token already, so a draft can only add work (see README, 'When to use a draft')",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,  # _check_draft, generate, torch.no_grad's wrapper, the caller
             )
         return num_draft_tokens
 

@@ -333,8 +333,8 @@ def speculative_decode(
     stats = SpeculationStats(num_draft_tokens)
 
     def position_of(index: torch.Tensor) -> torch.Tensor:
-        """(B,) positions of each row's generated token number `index` (past the end: the last one; never emitted)."""
-        return generated_positions.gather(1, index.clamp(max=max_new_tokens - 1).unsqueeze(1)).squeeze(1)
+        """(B, n) positions of each row's generated tokens number `index` (B, n) (past the end: the last one; never emitted)."""
+        return generated_positions.gather(1, index.clamp(max=max_new_tokens - 1))
 
     target_cache, draft_cache = _new_cache(target), _new_cache(draft)
     target_cached = draft_cached = 0  # columns each cache holds
@@ -343,6 +343,8 @@ def speculative_decode(
     while True:
         count = min(num_draft_tokens, remaining - 1)
         start = columns  # the round's first draft column
+        mask[:, start : start + count] = 1
+        column_positions[:, start : start + count] = position_of(emitted.unsqueeze(1) + offsets[:count])
         draft_probabilities = []
         for step in range(count):
             logits = draft.forward(
@@ -359,8 +361,6 @@ def speculative_decode(
                 draft_probabilities.append(q)
                 proposed = torch.multinomial(q, 1, generator=generator).squeeze(1)  # (B,)
             tokens[:, columns] = proposed
-            mask[:, columns] = 1
-            column_positions[:, columns] = position_of(emitted + step)
             columns += 1
         stats.draft_passes += count
 
@@ -433,7 +433,7 @@ def speculative_decode(
         columns = keep
         tokens[:, columns] = next_tokens
         mask[:, columns] = 1
-        column_positions[:, columns] = position_of(before + accepted)
+        column_positions[:, columns] = position_of((before + accepted).unsqueeze(1)).squeeze(1)
         columns += 1
     return output[:, : prompt_length + int(emitted.max())], stats, invalid
 
