@@ -74,6 +74,10 @@ def test_fit_threshold_picks_the_separating_feature_and_a_constant_for_one_outco
     assert (rule.feature, rule.direction, rule.training_accuracy) == ("overlap", "below", 1.0)
     assert rule.threshold == pytest.approx(0.45)
     assert rule.predict({"overlap": 0.44}) and not rule.predict({"overlap": 0.45})
+    # Balanced accuracy: one failure among ten is not ignored for the sake of 90 % plain accuracy.
+    rare = fit_threshold({"a": np.arange(10.0)}, np.array([True] * 8 + [False, True]))
+    assert (rare.direction, rare.threshold) == ("below", 7.5)
+    assert rare.training_accuracy == pytest.approx((8 / 9 + 1) / 2)
     constant = fit_threshold(features, np.ones(6, dtype=bool))
     assert constant.feature is None and constant.predict({}) is True
     with pytest.raises(ValueError, match="overlap"):

@@ -111,10 +111,12 @@ def usable_diagnostics(records: Sequence[dict]) -> list[str]:
 
 
 def fit_threshold(features: dict[str, np.ndarray], target: np.ndarray) -> Threshold:
-    """The (feature, threshold, direction) with the highest training accuracy on the boolean `target`.
+    """The (feature, threshold, direction) with the highest training *balanced* accuracy on the boolean `target`.
 
-    Thresholds are midpoints between consecutive distinct values; ties keep the first feature (in
-    `features` order) and the lower threshold. A constant `target` gives a constant rule.
+    Balanced accuracy, the mean of the rates on successes and on failures, so that the rarer
+    outcome counts as much as the common one. Thresholds are midpoints between consecutive
+    distinct values; ties keep the first feature (in `features` order) and the lower threshold.
+    A constant `target` gives a constant rule.
     """
     target = np.asarray(target, dtype=bool)
     if target.all() or not target.any():
@@ -125,7 +127,7 @@ def fit_threshold(features: dict[str, np.ndarray], target: np.ndarray) -> Thresh
         for threshold in (distinct[:-1] + distinct[1:]) / 2:
             above = values >= threshold
             for direction, predicted in (("above", above), ("below", ~above)):
-                accuracy = float((predicted == target).mean())
+                accuracy = float(0.5 * ((predicted & target).sum() / target.sum() + (~predicted & ~target).sum() / (~target).sum()))
                 if best is None or accuracy > best[0]:
                     best = (accuracy, name, float(threshold), direction)
     accuracy, name, threshold, direction = best
