@@ -242,7 +242,7 @@ class _SharedAdapters:
         kwargs = {} if cache is None else {self.cache_kwarg: cache, "use_cache": True}
         inputs = dict(
             input_ids=input_ids.repeat(n, 1),  # ((k+1)·B, T')
-            attention_mask=attention_mask.repeat(n, 1),
+            attention_mask=attention_mask.repeat(n, *[1] * (attention_mask.dim() - 1)),  # 2D, or 4D (B, 1, T', C)
             position_ids=position_ids.repeat(n, 1),
             logits_to_keep=logits_to_keep,
             **kwargs,
@@ -651,6 +651,7 @@ class ComposedLM:
                 max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, pad_id=pad_id, eos_ids=eos_ids,
                 stop_criteria=stop_criteria, generator=generator,
                 holes=not any(_has_sliding_window(model) for model in [self.base_model, draft_model]),
+                bias_dtypes=(_bias_dtype(getattr(self.backend, "models", [self.base_model])), _bias_dtype([draft_model])),
             )
             if invalid:
                 raise ValueError(_NAN_COMPOSITION)
@@ -922,6 +923,18 @@ class DecodedStops:
 def _has_sliding_window(model: torch.nn.Module) -> bool:
     """Whether the model's config sets a sliding attention window (Gemma-2, Mistral, ...): it counts cache columns."""
     return bool(getattr(getattr(model, "config", None), "sliding_window", None))
+
+
+def _bias_dtype(models: Sequence[torch.nn.Module]) -> torch.dtype | None:
+    """The dtype of a 4D additive attention mask these models all take as given, or None (pass the 2D mask):
+    eager or SDPA attention, no sliding window (a 4D mask would replace the window), one dtype."""
+    dtypes = {model.dtype for model in models}
+    if len(dtypes) == 1 and all(
+        getattr(model.config, "_attn_implementation", None) in ("eager", "sdpa") and not _has_sliding_window(model)
+        for model in models
+    ):
+        return dtypes.pop()
+    return None
 
 
 _NAN_COMPOSITION = (

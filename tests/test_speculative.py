@@ -23,6 +23,7 @@ from composition.model import _warped_probabilities, _warpers
 from composition.remedies import ActivityGate, PlausibilityFilter, TerminationRule
 from composition.speculative import (
     acceptance_probabilities,
+    attention_bias,
     greedy_accepted,
     outcome_probabilities,
     residual_distributions,
@@ -68,6 +69,15 @@ def test_greedy_acceptance_and_round_tokens_golden():
     assert accepted.tolist() == [3, 1, 0, 3]
     next_tokens = target_tokens.gather(1, accepted[:, None]).squeeze(1)
     assert round_tokens(drafts, accepted, next_tokens).tolist() == [[4, 5, 6, 7], [4, 9, 6, 9], [1, 5, 6, 1], [4, 5, 6, 8]]
+
+
+def test_attention_bias_golden():
+    """Columns 0…5, a pad at 0 and a hole at 3; a pass over columns 4 and 5 sees the tokens up to itself."""
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1]])
+    bias = attention_bias(mask, 4, torch.float32)
+    low = torch.finfo(torch.float32).min
+    assert bias.shape == (1, 1, 2, 6)
+    assert bias[0, 0].tolist() == [[low, 0, 0, low, 0, low], [low, 0, 0, low, 0, 0]]
 
 
 # ----------------------------------------------------------------------------- the rule, enumerated exactly
