@@ -744,8 +744,9 @@ class ComposedLM:
             self._check_draft_model(draft, draft_lambda, draft_tokenizer)
         if isinstance(self.backend, _SharedAdapters):
             warnings.warn(
-                "draft: these LoRA experts share one base, and composing them costs about one pass of the base "
-                "per token already, so a draft can only add work (see README, 'When to use a draft')",
+                "draft: these LoRA experts share one base, so composing them costs little more than one pass of the "
+                "base where reading the weights dominates (batch 1 on a GPU, a large model on a CPU); there a draft, "
+                "itself a pass of the base per drafted token, can only lose (see README, 'When to use a draft')",
                 UserWarning,
                 stacklevel=4,  # _check_draft, generate, torch.no_grad's wrapper, the caller
             )
