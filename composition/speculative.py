@@ -21,6 +21,8 @@ Batches: each row accepts its own number of tokens. The caches are cut back to t
 acceptance of the batch (`DynamicCache.crop`, which is also the stacked-LoRA path's one cache);
 a row that accepted fewer keeps its rejected columns as masked holes (attention mask 0), so its
 tokens and their positions are exactly those of plain decoding. At batch 1 there are no holes.
+A sliding window counts columns, not tokens; for such models every row advances by the batch's
+shortest acceptance instead (`speculative_decode`'s `holes=False`), which is exact too.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def task_arithmetic_state_dict(
                 f"in {different}"
             )
     merged: dict[str, torch.Tensor] = {}
-    done: dict[tuple, torch.Tensor] = {}  # (storage pointer, shape) of a base tensor -> its merged tensor
+    done: dict[tuple, torch.Tensor] = {}  # (storage pointer, shape, dtype) of a base tensor -> its merged tensor
     for name, base in base_state.items():
         if not base.is_floating_point():
             merged[name] = base
@@ -164,9 +166,11 @@ def model_with_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Te
     with torch.device("meta"):
         copy = type(model)(model.config)
     copy.load_state_dict(dict(state_dict), strict=True, assign=True)
+    saved = set(state_dict)
     for name, buffer in _plain_named(model.named_buffers()):
-        module_path, _, attribute = name.rpartition(".")
-        copy.get_submodule(module_path)._buffers[attribute] = buffer
+        if name not in saved:  # a buffer that is not saved, e.g. RoPE's inverse frequencies
+            module_path, _, attribute = name.rpartition(".")
+            copy.get_submodule(module_path)._buffers[attribute] = buffer
     copy.generation_config = getattr(model, "generation_config", None)
     return copy.eval().requires_grad_(False)
 
