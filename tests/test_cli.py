@@ -18,8 +18,8 @@ from conftest import task_arithmetic_mergekit_config
 from mergecompose_cli import build_parser, main
 
 ENTRY_POINT = Path(sys.executable).parent / "mergecompose"  # the installed console script, .venv/bin/mergecompose
-COMMANDS = ["demo", "merge", "task-vector", "overlap", "overlap-sweep", "compare", "skills-sweep", "vllm-model"]
-WRITING_COMMANDS = ["merge", "task-vector", "overlap", "overlap-sweep", "compare", "skills-sweep", "vllm-model"]
+COMMANDS = ["demo", "merge", "task-vector", "overlap", "overlap-sweep", "compare", "skills-sweep", "predict-sweep", "vllm-model"]
+WRITING_COMMANDS = ["merge", "task-vector", "overlap", "overlap-sweep", "compare", "skills-sweep", "predict-sweep", "vllm-model"]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,7 @@ VALID_ARGUMENTS = {
     "overlap-sweep": ["sweep.yaml", "--out", "out"],
     "compare": ["config.yaml", "--out", "out"],
     "skills-sweep": ["config.yaml", "--out", "out"],
+    "predict-sweep": ["predict.yaml", "--out", "out"],
     "vllm-model": ["--base", "base", "--expert", "expert", "--out", "out"],
 }
 
