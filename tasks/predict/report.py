@@ -63,8 +63,9 @@ def predict_markdown(results: dict) -> str:
     lines = [
         f"# Merge or compose? `{results['name']}` (sweep version {results['version']})",
         "",
-        f"{len(settings)} settings in {len({s['family'] for s in settings})} families; {results['seconds']} s "
-        f"(measuring the settings {results['setting_seconds']} s, of which those cached before this run count their first time).",
+        f"{len(settings)} settings in {len({s['family'] for s in settings})} families; this run {results['seconds']} s. "
+        f"Measuring the settings took {results['setting_seconds']} s in all (a setting measured by an earlier run counts "
+        "the time it took then); training the components is not included.",
         "",
         "## Settings: exact match % (a system succeeds at ≥ "
         f"{100 * (results['rule'] or {}).get('success_threshold', 0.9):.0f} %) and the diagnostics most correlated with composition error",
