@@ -746,7 +746,7 @@ class ComposedLM:
             warnings.warn(
                 "draft: these LoRA experts share one base, so composing them costs little more than one pass of the "
                 "base where reading the weights dominates (batch 1 on a GPU, a large model on a CPU); there a draft, "
-                "itself a pass of the base per drafted token, can only lose (see README, 'When to use a draft')",
+                "itself a pass of the base per drafted token, can only lose (see README, 'Decoding with a draft: when to use one')",
                 UserWarning,
                 stacklevel=4,  # _check_draft, generate, torch.no_grad's wrapper, the caller
             )

@@ -140,7 +140,8 @@ def joint_accuracy(outputs: list[str], sources: list[str], replace_a: dict[str, 
     return correct / len(sources)
 
 
-def _greedy(system, sources, fmt, tokenizer, batch_size) -> list[str]:
+def greedy_pair_outputs(system, sources, fmt, tokenizer, batch_size) -> list[str]:
+    """`system`'s greedy outputs on letter strings of one length (`tasks.evaluate.greedy_outputs`)."""
     eval_set = EvalSet("pair", len(sources[0]), tuple(sources), tuple(sources))
     return greedy_outputs(system, eval_set, fmt, tokenizer, batch_size)
 
@@ -192,17 +193,17 @@ def _run_sweep_locked(config: SweepConfig, compare: CompareConfig, config_hash: 
             for centre in ("median", "base_weighted_median")
         }
         composed = ComposedLM(base, [experts[name_a], experts[name_b]], names=[name_a, name_b])
-        compose_outputs = _greedy(ComposedSystem("compose", composed), test, fmt, tokenizer, batch_size)
+        compose_outputs = greedy_pair_outputs(ComposedSystem("compose", composed), test, fmt, tokenizer, batch_size)
         compose_accuracy = joint_accuracy(compose_outputs, test, replace_a, replace_b)
         own = {
             name: joint_accuracy(
-                _greedy(ModelSystem(name, experts[name]), test, fmt, tokenizer, batch_size), test, rule, rule
+                greedy_pair_outputs(ModelSystem(name, experts[name]), test, fmt, tokenizer, batch_size), test, rule, rule
             )
             for name, rule in ((name_a, replace_a), (name_b, replace_b))
         }
 
         def validation_accuracy(method, model, validation=validation, replace_a=replace_a, replace_b=replace_b) -> float:
-            outputs = _greedy(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
+            outputs = greedy_pair_outputs(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
             return joint_accuracy(outputs, validation, replace_a, replace_b)
 
         pair_models = [experts[name_a], experts[name_b]]
@@ -210,7 +211,7 @@ def _run_sweep_locked(config: SweepConfig, compare: CompareConfig, config_hash: 
         candidates = search_merges(base, pair_models, grids, validation_accuracy, seed=0, progress=False)
         best = max(candidates, key=lambda c: c["score"])  # first one on ties
         best_model = merged_model(base, pair_models, best["method"], best["params"], seed=0)
-        merge_outputs = _greedy(ModelSystem("merge", best_model), test, fmt, tokenizer, batch_size)
+        merge_outputs = greedy_pair_outputs(ModelSystem("merge", best_model), test, fmt, tokenizer, batch_size)
         merge_accuracy = joint_accuracy(merge_outputs, test, replace_a, replace_b)
 
         key = f"{name_a}+{name_b}"

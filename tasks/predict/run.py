@@ -17,7 +17,6 @@ changed setting is measured again. Components are trained once into `OUT/checkpo
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import os
@@ -34,20 +33,18 @@ from analysis.report import json_safe
 from composition import ComposedLM
 from composition.adapters import merged_adapter_model
 from composition.io import atomic_write_text
-from merging import TaskVector, merge
+from merging import TaskVector
 from tasks.components import Components, prepare_components
 from tasks.config import CompareConfig, fingerprint
 from tasks.evaluate import (
     JOINT,
     ComposedSystem,
-    EvalSet,
     ModelSystem,
-    greedy_outputs,
     score,
 )
 from tasks.letters.overlap import pair_strings, prompt_batches
 from tasks.letters.settings import LettersTaskSettings
-from tasks.letters.sweep import joint_accuracy
+from tasks.letters.sweep import greedy_pair_outputs, joint_accuracy
 from tasks.merge_selection import merged_model, search_merges
 from tasks.predict.config import SWEEP_VERSION, FamilySpec, PredictConfig, SettingSpec
 from tasks.predict.report import write_outputs
@@ -153,23 +150,21 @@ class _Scorer:
             data = task.eval_data(evaluation, length, task.train_lengths[1])
             self.test_set, self.validation_set = data.test[JOINT], data.validation[JOINT]
             self.own_sets = {name: data.curves[f"skill:{name}"][length] for name in self.names}
-            # Unlabelled prompts: joint inputs the outcomes never score (the validation set's tail).
+            # Unlabelled prompts: the validation inputs' sources (never the test set, never a target).
             self.prompts = list(self.validation_set.sources[: config.diagnostic_prompts])
             self.max_new_tokens = task.max_target_length(length) + 2
 
     def joint(self, system, validation: bool = False) -> float:
         if self.letters:
             sources = self.validation if validation else self.test
-            outputs = greedy_outputs(system, EvalSet("pair", len(sources[0]), tuple(sources), tuple(sources)),
-                                     self.fmt, self.tokenizer, self.batch_size)
+            outputs = greedy_pair_outputs(system, sources, self.fmt, self.tokenizer, self.batch_size)
             return joint_accuracy(outputs, sources, *self.rules.values())
         eval_set = self.validation_set if validation else self.test_set
         return float(score(system, eval_set, self.fmt, self.tokenizer, self.batch_size).correct.mean())
 
     def own(self, name: str, system) -> float:
         if self.letters:
-            outputs = greedy_outputs(system, EvalSet("own", len(self.test[0]), tuple(self.test), tuple(self.test)),
-                                     self.fmt, self.tokenizer, self.batch_size)
+            outputs = greedy_pair_outputs(system, self.test, self.fmt, self.tokenizer, self.batch_size)
             return joint_accuracy(outputs, self.test, self.rules[name], self.rules[name])
         return float(score(system, self.own_sets[name], self.fmt, self.tokenizer, self.batch_size).correct.mean())
 
@@ -196,8 +191,7 @@ def measure_setting(config: PredictConfig, compare: CompareConfig, family: Famil
 
     # Diagnostics: the composition's own rollouts from unlabelled prompts.
     composed = composition()
-    lam_one = copy.deepcopy(base)
-    lam_one.load_state_dict(merge("task_arithmetic", base, models, lam=1.0, progress=False))
+    lam_one = merged_model(base, models, "task_arithmetic", {"lam": 1.0}, seed=0)
     task_vectors = {name: TaskVector.from_models(base, model) for name, model in zip(names, models)}
     prompts = prompt_batches(components.format, tokenizer, scorer.prompts, config.batch_size, scorer.max_new_tokens)
     rolled = rollout_batches(composed, prompts, "composed", scorer.max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)

@@ -229,16 +229,14 @@ def analyse(records: Sequence[dict], config) -> dict:
         combination = best_combination(records, defined, singles, columns["compose_error"], config.bootstrap, config.seed)
     verdict = leave_one_family_out(records, names, config.success_threshold)
     rule = fit_rule(records, names, config.success_threshold) if names else None
-    target_met = None
     candidates = [best.get("spearman_compose_error"), combination]
     met = [c for c in candidates if c and c["rho"] is not None and abs(c["rho"]) >= 0.8 and c["ci95"]
            and min(abs(c["ci95"][0]), abs(c["ci95"][1])) > 0.5 and c["ci95"][0] * c["ci95"][1] > 0]
-    target_met = bool(met)
     return {
         "diagnostics": table,
         "best": best,
         "combination": combination,
-        "target": {"met": target_met, "rule": "|ρ| ≥ 0.8 against composition error, 95 % interval excluding |ρ| = 0.5"},
+        "target": {"met": bool(met), "rule": "|ρ| ≥ 0.8 against composition error, 95 % interval excluding |ρ| = 0.5"},
         "verdict": {**verdict, "truth": true_verdicts(records, config.success_threshold)},
         "rule": None if rule is None else rule.model_dump(mode="json"),
     }
