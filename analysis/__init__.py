@@ -1,11 +1,11 @@
 """Where expert logit deltas overlap, whether the composition is projective, and whether merging ≈ composing.
 
-Pure diagnostics on tensors live in `analysis.diagnostics`; `OverlapAccumulator` streams them
+Pure diagnostics on tensors live in `mergecompose.analysis.diagnostics`; `OverlapAccumulator` streams them
 over batches in O(k·V + bins) memory; `measure_overlap` runs a `ComposedLM` (and a merge) over
 batches and returns an `OverlapReport`.
 """
 
-from analysis.diagnostics import (
+from mergecompose.analysis.diagnostics import (
     active_experts,
     active_intervals,
     centred_deltas,
@@ -26,8 +26,8 @@ from analysis.diagnostics import (
     weighted_median,
     weighted_overlap,
 )
-from analysis.measure import measure_overlap, rollout_batches
-from analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
+from mergecompose.analysis.measure import measure_overlap, rollout_batches
+from mergecompose.analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
 
 __all__ = [
     "OverlapAccumulator",

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from analysis.report import recommendation_text, terminal_table
-from analysis.run import OverlapRunConfig, run_overlap
-from composition.cli_common import add_common_flags
-from composition.io import read_yaml_mapping
+from mergecompose.analysis.report import recommendation_text, terminal_table
+from mergecompose.analysis.run import OverlapRunConfig, run_overlap
+from mergecompose.core.cli_common import add_common_flags
+from mergecompose.core.io import read_yaml_mapping
 
 
 def add_commands(subparsers) -> None:
@@ -15,7 +15,7 @@ def add_commands(subparsers) -> None:
         description="Flags override the values of --config. Writes overlap.json, overlap.md, config.yaml, "
         "activity_heatmap.png and (with --merged) gap_histogram.png into --out.",
     )
-    overlap.add_argument("--config", help="YAML file with the fields of analysis.run.OverlapRunConfig")
+    overlap.add_argument("--config", help="YAML file with the fields of mergecompose.analysis.run.OverlapRunConfig")
     overlap.add_argument("--base", help="base checkpoint folder or hub id")
     overlap.add_argument("--expert", action="append", dest="experts", help="expert checkpoint or adapter (repeat)")
     overlap.add_argument("--merged", help="the task-arithmetic merge θ_b + λΣτ_i (checkpoint or adapter)")
@@ -26,14 +26,20 @@ def add_commands(subparsers) -> None:
     overlap.add_argument("--max-length", type=int, dest="max_length")
     overlap.add_argument("--max-records", type=int, dest="max_records")
     overlap.add_argument(
-        "--truncate", action="store_true", default=None,
+        "--truncate",
+        action="store_true",
+        default=None,
         help="cut records longer than --max-length (or the base's context) instead of refusing them; says how many were cut",
     )
     overlap.add_argument(
-        "--rollouts", action="append", help="also measure on greedy rollouts of: composed, base, experts, expert:NAME (repeat)"
+        "--rollouts",
+        action="append",
+        help="also measure on greedy rollouts of: composed, base, experts, expert:NAME (repeat)",
     )
     overlap.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
-    overlap.add_argument("--prompt-tokens", type=int, dest="prompt_tokens", help="rollout prompt length for text records")
+    overlap.add_argument(
+        "--prompt-tokens", type=int, dest="prompt_tokens", help="rollout prompt length for text records"
+    )
     overlap.add_argument("--density", type=float, dest="parameter_density", help="TIES trim density (default 0.2)")
     overlap.add_argument("--no-parameter-measures", action="store_false", dest="parameter_measures", default=None)
     overlap.add_argument("--device", choices=["auto", "cpu", "cuda"])
@@ -41,17 +47,23 @@ def add_commands(subparsers) -> None:
     overlap.add_argument("--eta", type=float, help="support probability floor η (default 1e-3)")
     overlap.add_argument("--seed", type=int, help="reservoir seed")
     overlap.add_argument(
-        "--centre", choices=["base_weighted_median", "median"],
+        "--centre",
+        choices=["base_weighted_median", "median"],
         help="how each delta is centred over the vocabulary (default base_weighted_median; median: each token counted once)",
     )
     overlap.add_argument(
-        "--full-vocabulary", action="store_true", default=None, dest="full_vocabulary",
+        "--full-vocabulary",
+        action="store_true",
+        default=None,
+        dest="full_vocabulary",
         help="compute the centre, supports, overlap sums and top tokens over the whole vocabulary at every position, "
         "instead of on the top-k union (whose outside mass the report gives)",
     )
     overlap.add_argument("--candidates", type=int, help="tokens in the top-k union per position (default 256)")
     overlap.add_argument(
-        "--recommend", action="store_true", default=None,
+        "--recommend",
+        action="store_true",
+        default=None,
         help="say whether to merge or compose these experts: the unlabelled diagnostics on the composition's rollouts "
         "from --data's prompts, read by the verdict rule fitted by `mergecompose predict-sweep` on synthetic tasks",
     )
@@ -63,9 +75,26 @@ def add_commands(subparsers) -> None:
 
 _SETTINGS_FLAGS = ("epsilon", "eta", "seed", "centre", "full_vocabulary", "candidates")
 _RUN_FLAGS = (
-    "base", "experts", "merged", "data", "out", "overwrite", "tokenizer", "lam", "batch_size", "max_length",
-    "max_records", "truncate", "rollouts", "max_new_tokens", "prompt_tokens", "parameter_density", "parameter_measures", "device",
-    "recommend", "rule",
+    "base",
+    "experts",
+    "merged",
+    "data",
+    "out",
+    "overwrite",
+    "tokenizer",
+    "lam",
+    "batch_size",
+    "max_length",
+    "max_records",
+    "truncate",
+    "rollouts",
+    "max_new_tokens",
+    "prompt_tokens",
+    "parameter_density",
+    "parameter_measures",
+    "device",
+    "recommend",
+    "rule",
 )
 
 
@@ -85,7 +114,7 @@ def config_from_args(args):
 
 def run_overlap_command(args) -> int:
     config = config_from_args(args)
-    results = run_overlap(config, progress=not args.quiet)  # its warnings: one line each (mergecompose_cli.main)
+    results = run_overlap(config, progress=not args.quiet)  # its warnings: one line each (mergecompose.cli.main)
     print(terminal_table(results))
     if "recommendation" in results:
         print()

@@ -18,7 +18,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-# ids 0-3, as in `composition.tiny`'s config
+# ids 0-3, as in `mergecompose.core.tiny`'s config
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
 # Above this share of unknown tokens `encode_records` warns: the tokenizer does not cover the text.
 UNKNOWN_SHARE_WARNING = 0.05
@@ -46,7 +46,7 @@ def read_jsonl(path: str | os.PathLike, max_records: int | None = None) -> list[
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as error:
                 raise ValueError(
-                    f"{path}:{number} is not UTF-8 text: byte {raw[error.start:error.start + 1]!r} ({error.reason}); "
+                    f"{path}:{number} is not UTF-8 text: byte {raw[error.start : error.start + 1]!r} ({error.reason}); "
                     "save the file as UTF-8"
                 ) from None
             if not line.strip():
@@ -57,13 +57,17 @@ def read_jsonl(path: str | os.PathLike, max_records: int | None = None) -> list[
                 raise ValueError(f"{path}:{number} is not valid JSON: {error}") from None
             if isinstance(item, dict) and isinstance(item.get("text"), str):
                 records.append(Record("", item["text"]))
-            elif isinstance(item, dict) and isinstance(item.get("prompt"), str) and isinstance(item.get("completion"), str):
+            elif (
+                isinstance(item, dict)
+                and isinstance(item.get("prompt"), str)
+                and isinstance(item.get("completion"), str)
+            ):
                 records.append(Record(item["prompt"], item["completion"]))
             else:
                 keys = sorted(item) if isinstance(item, dict) else type(item).__name__
                 raise ValueError(
-                    f"{path}:{number}: a record must be {{\"text\": str}} or "
-                    f"{{\"prompt\": str, \"completion\": str}}, got keys {keys}"
+                    f'{path}:{number}: a record must be {{"text": str}} or '
+                    f'{{"prompt": str, "completion": str}}, got keys {keys}'
                 )
             if max_records is not None and len(records) >= max_records:
                 break
@@ -72,7 +76,9 @@ def read_jsonl(path: str | os.PathLike, max_records: int | None = None) -> list[
     return records
 
 
-def char_tokenizer(characters: str | Sequence[str], special_tokens: Mapping[str, str] | None = None) -> PreTrainedTokenizerFast:
+def char_tokenizer(
+    characters: str | Sequence[str], special_tokens: Mapping[str, str] | None = None
+) -> PreTrainedTokenizerFast:
     """A character-level `PreTrainedTokenizerFast` built locally with the `tokenizers` library.
 
     `special_tokens` maps transformers' names to tokens (default `SPECIAL_TOKENS`: `<pad>`, `<s>`,
@@ -140,7 +146,9 @@ def encode_records(
             raise ValueError(
                 f"{counts}, the longest (record {index}) has {length}; pass truncate=True (`--truncate`) to cut them"
             )
-        warnings.warn(f"{counts}: cut them to {max_length} tokens, dropping {dropped} tokens", UserWarning, stacklevel=2)
+        warnings.warn(
+            f"{counts}: cut them to {max_length} tokens, dropping {dropped} tokens", UserWarning, stacklevel=2
+        )
     _warn_unknown_tokens(encoded, tokenizer)
     return encoded
 

@@ -3,7 +3,7 @@
 Notation (per position t, over a shared vocabulary of size V):
 
 * `b = log p_b` the base, `ℓ_i = log p_i` expert i, `δ_i = ℓ_i − b` its log-probability delta;
-* `q` the composed distribution `log_softmax(b + Σ_i w_i δ_i)` (`composition.compose_logprobs`);
+* `q` the composed distribution `log_softmax(b + Σ_i w_i δ_i)` (`mergecompose.composition.compose_logprobs`);
 * `m` the log-probs of the task-arithmetic merge `θ_b + λ Σ_i τ_i`.
 
 Every function takes logits or log-probs, normalises them with `log_softmax` in float32, and
@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from composition.rule import LOGPROB_FLOOR
+from mergecompose.composition.rule import LOGPROB_FLOOR
 
 Experts = torch.Tensor | Sequence[torch.Tensor]
 
@@ -361,7 +361,9 @@ def delta_supports_from_probs(
     return (centred.abs() > epsilon) & (torch.maximum(expert_probs, base_probs) > eta)
 
 
-def overlap_weights(base: torch.Tensor, expert_i: torch.Tensor, expert_j: torch.Tensor, composed: torch.Tensor) -> torch.Tensor:
+def overlap_weights(
+    base: torch.Tensor, expert_i: torch.Tensor, expert_j: torch.Tensor, composed: torch.Tensor
+) -> torch.Tensor:
     """The overlap weight `w = max(p_b, p_i, p_j, q)` per token: `(..., V)` float32.
 
     A token counts in proportion to the largest probability any of the four distributions
@@ -532,7 +534,9 @@ def restricted_projective_error_from_logprobs(
     """
     background = ~supports.any(0)  # (..., V)
     subsets = supports | background[None]  # (k, ..., V)
-    return _conditional_kl(experts, expert_probs, composed.expand_as(experts), composed_probs.expand_as(experts), subsets)
+    return _conditional_kl(
+        experts, expert_probs, composed.expand_as(experts), composed_probs.expand_as(experts), subsets
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,7 +558,9 @@ def top1_agreement(composed: torch.Tensor, merged: torch.Tensor) -> torch.Tensor
     return composed.argmax(-1) == merged.argmax(-1)
 
 
-def linearization_error(scaled_expert: torch.Tensor, base: torch.Tensor, expert: torch.Tensor, lam: float) -> torch.Tensor:
+def linearization_error(
+    scaled_expert: torch.Tensor, base: torch.Tensor, expert: torch.Tensor, lam: float
+) -> torch.Tensor:
     """`KL(softmax(z(θ_b + λτ_i)) ‖ softmax(z_b + λ Δz_i))`, with `Δz_i = z(θ_i) − z_b`.
 
     How far the model at `θ_b + λτ_i` is from moving its logits along the straight line from

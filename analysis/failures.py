@@ -7,7 +7,7 @@ Pure functions on tensors; nothing here runs a model. Conventions:
 * `targets` `(B, M)`: the target tokens followed by EOS, padded; `target_lengths` `(B,)` the
   number of target tokens, so the EOS step of row b is `target_lengths[b]`;
 * `regions` `(B, M)`: per output step, `BACKGROUND`, `SEGMENT`, `BOUNDARY` or `END` (the EOS
-  step), from `tasks.skills.region_labels`;
+  step), from `mergecompose.experiments.skills.region_labels`;
 * `owners` `(B, T)`: per output step, the index of the expert whose segment (markers included)
   holds that target character, or -1 (`NO_OWNER`) outside every segment;
 * `components` `(k+1, B, T, V)`: teacher-forced log-probs (base first) at the steps that predict
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from analysis.diagnostics import expert_activity, kl_divergence
-from composition import compose_logprobs
+from mergecompose.analysis.diagnostics import expert_activity, kl_divergence
+from mergecompose.composition import compose_logprobs
 
 # Region labels of output steps: plain text, inside a skill's segment, a marker character where a
 # skill starts or stops, and the EOS step one past the last character.
@@ -182,7 +182,7 @@ def background_noise(components: torch.Tensor, owners: torch.Tensor, eos_token_i
 
     With `δ_i = log p_i − log p_b` and `I_t` the experts other than the owner of step t:
 
-    * `activity`: `(k, B, T)`, `a_{i,t} = KL(p_i ‖ p_b)` (`analysis.expert_activity`);
+    * `activity`: `(k, B, T)`, `a_{i,t} = KL(p_i ‖ p_b)` (`mergecompose.analysis.expert_activity`);
     * `inactive_activity`: `Σ_{i ∈ I_t} a_{i,t}`;
     * `eos_noise`: `Σ_{i ∈ I_t} δ_i(EOS)`, the log-odds the silent experts add to EOS; with
       the plain rule it adds to the composed EOS logit directly;
@@ -199,9 +199,7 @@ def background_noise(components: torch.Tensor, owners: torch.Tensor, eos_token_i
     if components.dim() != 4:
         raise ValueError(f"`components` must be (k+1, batch, steps, vocab), got shape {tuple(components.shape)}")
     if tuple(owners.shape) != tuple(components.shape[1:3]):
-        raise ValueError(
-            f"`owners` must be (batch, steps) = {tuple(components.shape[1:3])}, got {tuple(owners.shape)}"
-        )
+        raise ValueError(f"`owners` must be (batch, steps) = {tuple(components.shape[1:3])}, got {tuple(owners.shape)}")
     components = torch.log_softmax(components.float(), dim=-1)  # (k+1, B, T, V)
     base, experts = components[0], components[1:]
     k = experts.shape[0]
@@ -220,10 +218,14 @@ def background_noise(components: torch.Tensor, owners: torch.Tensor, eos_token_i
     }
 
 
-def mean_by_region(values: torch.Tensor, regions: torch.Tensor, mask: torch.Tensor | None = None) -> dict[str, float | None]:
+def mean_by_region(
+    values: torch.Tensor, regions: torch.Tensor, mask: torch.Tensor | None = None
+) -> dict[str, float | None]:
     """Mean of `values` `(B, T)` over the steps of each region (`None` where a region has no step)."""
     if values.shape != regions.shape:
-        raise ValueError(f"`values` and `regions` must have one shape, got {tuple(values.shape)} and {tuple(regions.shape)}")
+        raise ValueError(
+            f"`values` and `regions` must have one shape, got {tuple(values.shape)} and {tuple(regions.shape)}"
+        )
     keep = torch.ones_like(regions, dtype=torch.bool) if mask is None else mask.bool()
     means = {}
     for code, name in REGION_NAMES.items():
@@ -232,7 +234,9 @@ def mean_by_region(values: torch.Tensor, regions: torch.Tensor, mask: torch.Tens
     return means
 
 
-def spurious_activity_rate(activity: torch.Tensor, owners: torch.Tensor, epsilon: float, mask: torch.Tensor | None = None) -> float:
+def spurious_activity_rate(
+    activity: torch.Tensor, owners: torch.Tensor, epsilon: float, mask: torch.Tensor | None = None
+) -> float:
     """Share of (expert, step) pairs where an expert is active (`a > ε`) on a step it does not own."""
     if not epsilon >= 0:
         raise ValueError(f"`epsilon` must be >= 0, got {epsilon}")

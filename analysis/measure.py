@@ -2,7 +2,7 @@
 
 Three things can be measured, each with `measure_overlap` on different sequences:
 
-* teacher-forced on given text (`analysis.data.make_batches`);
+* teacher-forced on given text (`mergecompose.analysis.data.make_batches`);
 * the composed model's own rollouts (`rollout_batches(..., source="composed")`), whose prefixes
   no expert saw in training (e.g. both letters already replaced);
 * each expert's rollouts (`source=<expert name>`), or the base's (`source="base"`).
@@ -16,18 +16,20 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from analysis.parameters import parameter_overlap
-from analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
-from composition import ComposedLM, compose_with_remedies
-from composition.model import as_mask, as_token_ids
-from composition.rule import check_weights
+from mergecompose.analysis.parameters import parameter_overlap
+from mergecompose.analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
+from mergecompose.composition import ComposedLM, compose_with_remedies
+from mergecompose.composition.model import as_mask, as_token_ids
+from mergecompose.composition.rule import check_weights
 
 
 def batch_tensors(batch, index: int) -> dict:
     """Batch `index` with its tensors checked: `input_ids` `(B, T)`, and `attention_mask` and `measure_mask`
     (0/1) of that shape where given; lists are converted. Other keys are passed on as they are."""
     if not isinstance(batch, Mapping):
-        raise TypeError(f"batch {index} must be a mapping of names to tensors (`input_ids`, ...), got {type(batch).__name__}")
+        raise TypeError(
+            f"batch {index} must be a mapping of names to tensors (`input_ids`, ...), got {type(batch).__name__}"
+        )
     if batch.get("input_ids") is None:
         raise ValueError(
             f"batch {index} has no `input_ids` (its keys: {sorted(map(str, batch))}); a batch maps `input_ids` (B, T) "
@@ -94,8 +96,8 @@ def measure_overlap(
         scaled_expert_models: k causal LMs at `θ_b + λτ_i`, optional; give the single-expert
             linearization error when λ ≠ 1.
         settings: thresholds and sizes (`OverlapSettings`).
-        task_vectors: `{expert name: merging.TaskVector}`, optional; adds each pair's
-            parameter-space measures (`analysis.parameters.parameter_overlap` at
+        task_vectors: `{expert name: mergecompose.merging.TaskVector}`, optional; adds each pair's
+            parameter-space measures (`mergecompose.analysis.parameters.parameter_overlap` at
             `parameter_density`) under `pairs[...]["parameter"]`, next to its output overlap.
         tokenizer: optional, to print tokens instead of ids in the report.
 
@@ -105,7 +107,9 @@ def measure_overlap(
     if not isinstance(composed, ComposedLM):
         raise ValueError(f"`composed` must be a ComposedLM, got {type(composed).__name__}")
     if task_vectors is not None and not (isinstance(parameter_density, (int, float)) and 0 < parameter_density <= 1):
-        raise ValueError(f"`parameter_density` must be in (0, 1], got {parameter_density!r}")  # before, not after, measuring
+        raise ValueError(
+            f"`parameter_density` must be in (0, 1], got {parameter_density!r}"
+        )  # before, not after, measuring
     if scaled_expert_models is not None and len(scaled_expert_models) != composed.num_experts:
         raise ValueError(
             f"`scaled_expert_models` must hold one model per expert ({composed.num_experts}), "
@@ -134,7 +138,9 @@ def measure_overlap(
         merged = None if merged_model is None else model_logprobs(merged_model, input_ids, attention_mask, position_ids)
         scaled = None
         if scaled_expert_models is not None:
-            scaled = torch.stack([model_logprobs(m, input_ids, attention_mask, position_ids) for m in scaled_expert_models])
+            scaled = torch.stack(
+                [model_logprobs(m, input_ids, attention_mask, position_ids) for m in scaled_expert_models]
+            )
         accumulator.update(
             components,
             mask.to(components.device),
@@ -227,7 +233,11 @@ def rollout_batches(
         if generated_positions is not None:
             extra["generated_position_ids"] = generated_positions[:, :max_new_tokens]
         sequences = decoder.generate(
-            prompt, prompt_mask, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+            prompt,
+            prompt_mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
             **extra,
         ).cpu()  # (B, P + n)
         prompt_length = prompt.shape[1]

@@ -1,10 +1,10 @@
 """Parameter-space overlap of task vectors, reported next to the output-space overlap O_ij.
 
-For a pair of task vectors τ_i, τ_j (`merging.TaskVector`):
+For a pair of task vectors τ_i, τ_j (`mergecompose.merging.TaskVector`):
 
 * `cosine`: cos(τ_i, τ_j) over all tensors (`TaskVector.cosine`);
 * the TIES trim (Yadav et al., 2023): keep the top `density` share of |τ| over the whole
-  flattened model (the paper's global scope, `merging.sparsify.magnitude_trim_global`), giving
+  flattened model (the paper's global scope, `mergecompose.merging.sparsify.magnitude_trim_global`), giving
   masks `M_i`, `M_j` of kept entries;
 * `trimmed_mask_jaccard = |M_i ∩ M_j| / |M_i ∪ M_j|`: do the two updates keep the same entries;
 * `ties_sign_conflict = |{e ∈ M_i ∩ M_j : sgn τ_i(e) ≠ sgn τ_j(e)}| / |M_i ∩ M_j|`: among the
@@ -21,8 +21,8 @@ from collections.abc import Mapping
 
 import torch
 
-from analysis.reducers import pair_key
-from merging.sparsify import magnitude_trim_global
+from mergecompose.analysis.reducers import pair_key
+from mergecompose.merging.sparsify import magnitude_trim_global
 
 
 def trimmed_masks(task_vector, density: float) -> dict[str, torch.Tensor]:
@@ -56,7 +56,7 @@ def parameter_overlap(task_vectors: Mapping[str, object], density: float = 0.2) 
     """Cosine, TIES sign-conflict share and trimmed-mask Jaccard for every pair of task vectors.
 
     Args:
-        task_vectors: `{expert name: merging.TaskVector}`, in the experts' order.
+        task_vectors: `{expert name: mergecompose.merging.TaskVector}`, in the experts' order.
         density: the TIES trim's kept share, default 0.2 (the paper's top-20 %).
 
     Returns:

@@ -13,7 +13,7 @@ above ε (none otherwise).
 * `unlabelled_diagnostics`: every `measure_overlap` statistic on the rollouts (both centres),
   the above, and the parameter-space measures, as one flat `{name: float}`.
 * `VerdictRule`: thresholds fitted by `mergecompose predict-sweep` on synthetic tasks
-  (`tasks.predict`), shipped as `predict_rule.json`; `recommend` applies it and says why.
+  (`mergecompose.experiments.predict`), shipped as `predict_rule.json`; `recommend` applies it and says why.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from analysis.diagnostics import expert_activity
-from analysis.measure import batch_tensors, measure_overlap
-from analysis.streaming import OverlapSettings
-from composition import ComposedLM, compose_with_remedies
-from composition.rule import check_weights, compose_logprobs
+from mergecompose.analysis.diagnostics import expert_activity
+from mergecompose.analysis.measure import batch_tensors, measure_overlap
+from mergecompose.analysis.streaming import OverlapSettings
+from mergecompose.composition import ComposedLM, compose_with_remedies
+from mergecompose.composition.rule import check_weights, compose_logprobs
 
 CENTRES = ("base_weighted_median", "median")
 # The verdict's classes; a system "succeeds" at exact match >= the rule's `success_threshold`.
@@ -58,7 +58,9 @@ def proxy_owner_statistics(
     """
     totals = dict.fromkeys(("silent_flip_rate", "silent_shift_kl", "low_confidence_rate", "composed_entropy"), 0.0)
     count = 0
-    weights = torch.tensor(check_weights(composed.weights, composed.num_experts) or [1.0] * composed.num_experts)  # (k,)
+    weights = torch.tensor(
+        check_weights(composed.weights, composed.num_experts) or [1.0] * composed.num_experts
+    )  # (k,)
     for index, batch in enumerate(batches):
         batch = batch_tensors(batch, index)
         attention = batch.get("attention_mask")
@@ -66,7 +68,9 @@ def proxy_owner_statistics(
             attention = torch.ones_like(batch["input_ids"])
         mask = batch.get("measure_mask")
         mask = attention.bool() if mask is None else mask.bool() & attention.bool()  # (B, T)
-        components = composed.component_logprobs(batch["input_ids"], attention, batch.get("position_ids"))  # (k+1, B, T, V)
+        components = composed.component_logprobs(
+            batch["input_ids"], attention, batch.get("position_ids")
+        )  # (k+1, B, T, V)
         components = components[:, mask.to(components.device)]  # (k+1, N, V)
         base, experts = components[0], components[1:]
         composed_logprobs = compose_with_remedies(components, composed.weights, composed.remedies)  # (N, V)
@@ -95,7 +99,11 @@ def _pairs(report: dict, key: str) -> list[float]:
 
 
 def _parameter(report: dict, key: str) -> list[float]:
-    return [pair["parameter"][key] for pair in report["pairs"].values() if (pair.get("parameter") or {}).get(key) is not None]
+    return [
+        pair["parameter"][key]
+        for pair in report["pairs"].values()
+        if (pair.get("parameter") or {}).get(key) is not None
+    ]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -118,7 +126,9 @@ def flatten_report(reports: Mapping[str, dict]) -> dict[str, float | None]:
             values = _pairs(report, key)
             flat[f"{key}_mean{suffix}"] = _mean(values)
             flat[f"{key}_max{suffix}"] = max(values, default=None)
-        bounds = [pair["mass_overlap_bounds"][1] for pair in report["pairs"].values() if pair.get("mass_overlap_bounds")]
+        bounds = [
+            pair["mass_overlap_bounds"][1] for pair in report["pairs"].values() if pair.get("mass_overlap_bounds")
+        ]
         flat[f"mass_overlap_upper_max{suffix}"] = max(bounds, default=None)
     gap = main.get("merge_compose_gap") or {}
     flat["merge_compose_kl"] = gap.get("kl_mean")
@@ -126,9 +136,13 @@ def flatten_report(reports: Mapping[str, dict]) -> dict[str, float | None]:
     flat["merge_compose_top1_disagreement"] = None if gap.get("top1_agreement") is None else 1 - gap["top1_agreement"]
     flat["interaction_residual_relative"] = gap.get("interaction_residual_relative")
     experts = main["experts"].values()
-    flat["linearization_error_mean"] = _mean([e["linearization_error"] for e in experts if e.get("linearization_error") is not None])
+    flat["linearization_error_mean"] = _mean(
+        [e["linearization_error"] for e in experts if e.get("linearization_error") is not None]
+    )
     flat["projective_error"] = main["projective_error"]["single_active"]
-    flat["projective_error_active_max"] = max((e["projective_error_active"] for e in experts if e.get("projective_error_active") is not None), default=None)
+    flat["projective_error_active_max"] = max(
+        (e["projective_error_active"] for e in experts if e.get("projective_error_active") is not None), default=None
+    )
     flat["expert_kl_mean"] = _mean([e["kl_mean"] for e in experts])
     flat["active_fraction_mean"] = _mean([e["active_fraction"] for e in experts])
     flat["active_fraction_sum"] = sum(e["active_fraction"] for e in experts)
@@ -147,7 +161,7 @@ def unlabelled_diagnostics(
     settings: OverlapSettings | None = None,
     progress: bool = False,
 ) -> tuple[dict[str, float | None], dict[str, dict]]:
-    """Every diagnostic of the composed model's own rollouts (`analysis.rollout_batches`), flat.
+    """Every diagnostic of the composed model's own rollouts (`mergecompose.analysis.rollout_batches`), flat.
 
     `merged_model` (the task-arithmetic merge at the composition's weights) gives the merge–compose
     gap; `task_vectors` the parameter-space measures. Returns `(flat, reports)`: `flatten_report`'s
@@ -157,8 +171,13 @@ def unlabelled_diagnostics(
     reports = {}
     for centre in CENTRES:
         report = measure_overlap(
-            composed, rollouts, merged_model=merged_model, settings=settings.model_copy(update={"centre": centre}),
-            task_vectors=task_vectors if centre == CENTRES[0] else None, progress=progress, description=f"rollouts ({centre})",
+            composed,
+            rollouts,
+            merged_model=merged_model,
+            settings=settings.model_copy(update={"centre": centre}),
+            task_vectors=task_vectors if centre == CENTRES[0] else None,
+            progress=progress,
+            description=f"rollouts ({centre})",
         )
         reports[centre] = report.summary()
     flat = flatten_report(reports)
@@ -186,7 +205,9 @@ class Threshold(BaseModel):
             return bool(self.constant)
         value = diagnostics.get(self.feature)
         if value is None or (isinstance(value, float) and math.isnan(value)):
-            raise ValueError(f"the rule needs diagnostic {self.feature!r}, which these diagnostics lack (got {value!r})")
+            raise ValueError(
+                f"the rule needs diagnostic {self.feature!r}, which these diagnostics lack (got {value!r})"
+            )
         above = value >= self.threshold
         return above if self.direction == "above" else not above
 
@@ -218,7 +239,9 @@ class VerdictRule(BaseModel):
     sweep: dict = Field(default_factory=dict)  # which sweep fitted it: name, version, config hash
 
     def verdict(self, diagnostics: Mapping[str, float | None]) -> str:
-        return combine_verdict(self.compose.predict(diagnostics), self.merge.predict(diagnostics), self.remedy.predict(diagnostics))
+        return combine_verdict(
+            self.compose.predict(diagnostics), self.merge.predict(diagnostics), self.remedy.predict(diagnostics)
+        )
 
 
 def combine_verdict(compose: bool, merge: bool, remedy: bool) -> str:

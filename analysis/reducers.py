@@ -13,7 +13,7 @@ activity, centred deltas, supports); each reducer keeps its own running sums, wi
 * `LinearizationReducer`: the linearization error of θ_b + λτ_i;
 * `ExampleReducer`: heatmap sequences and a reservoir of example positions.
 
-Each uses only the public pure functions of `analysis.diagnostics`.
+Each uses only the public pure functions of `mergecompose.analysis.diagnostics`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from analysis import diagnostics as dx
-from composition.rule import LOGPROB_FLOOR
+from mergecompose.analysis import diagnostics as dx
+from mergecompose.composition.rule import LOGPROB_FLOOR
 
 
 class OverlapSettings(BaseModel):
@@ -41,7 +41,7 @@ class OverlapSettings(BaseModel):
       for each; `heatmap_sequences`: sequences whose per-position activity is kept for the plot;
     * `top_tokens`: per expert, how many of the tokens with the largest mean |δ̃| are listed;
     * `centre`: how each delta is centred over the vocabulary before the overlap
-      (`analysis.diagnostics.centred_deltas`): "base_weighted_median" (the default: set by where
+      (`mergecompose.analysis.diagnostics.centred_deltas`): "base_weighted_median" (the default: set by where
       the base's mass is, and cheap to find on the top-k union) or "median" (each token counted
       once; a selection over V per position);
     * `full_vocabulary`: compute the centre, supports, overlap sums, top tokens and restricted
@@ -85,7 +85,9 @@ class LogHistogram:
         if not 0 < low < high:
             raise ValueError(f"need 0 < `low` < `high`, got low={low}, high={high}")
         decades = math.log10(high / low)
-        self.edges = torch.logspace(math.log10(low), math.log10(high), round(decades * bins_per_decade) + 1, dtype=torch.float64)
+        self.edges = torch.logspace(
+            math.log10(low), math.log10(high), round(decades * bins_per_decade) + 1, dtype=torch.float64
+        )
         self.counts = torch.zeros(len(self.edges) + 1, dtype=torch.int64)
 
     def add(self, values: torch.Tensor) -> None:
@@ -223,10 +225,12 @@ class MeasuredBatch:
         step = pass_positions or (compile_rows(V) if V >= COMPILE_MIN_VOCAB else max(1, 2**18 // V))
         parts = [
             _measure_rows(
-                components[:, start : start + step], composed[start : start + step],
+                components[:, start : start + step],
+                composed[start : start + step],
                 None if merged is None else merged[start : start + step],
                 None if scaled_experts is None else scaled_experts[:, start : start + step],
-                weights, settings,
+                weights,
+                settings,
             )
             for start in range(0, n, step)
         ]
@@ -256,9 +260,22 @@ class SequenceBatch:
 
 # Fields whose positions are on dim 1 (a leading k or k+2 axis); the rest have them on dim 0.
 _POSITION_DIM = {
-    "experts": 1, "expert_probs": 1, "activity": 1, "active": 1, "centred": 1, "supports": 1,
-    "outside_mass": 1, "centre_below": 1, "centre_above": 1, "delta_extent": 1, "linearization": 1,
-    "gathered": 1, "delta_low": 1, "delta_high": 1, "tail_low": 1, "tail_high": 1,
+    "experts": 1,
+    "expert_probs": 1,
+    "activity": 1,
+    "active": 1,
+    "centred": 1,
+    "supports": 1,
+    "outside_mass": 1,
+    "centre_below": 1,
+    "centre_above": 1,
+    "delta_extent": 1,
+    "linearization": 1,
+    "gathered": 1,
+    "delta_low": 1,
+    "delta_high": 1,
+    "tail_low": 1,
+    "tail_high": 1,
 }
 
 
@@ -276,10 +293,22 @@ def _measure_rows(components, composed, merged, scaled_experts, weights, setting
     base_probs, composed_probs = base.exp(), log_q.exp()
     centred = dx.centred_deltas_from_logprobs(base, experts, centre=settings.centre, base_probs=base_probs)
     fields = dict(
-        activity=activity, active=active, single_active=single, single_eligible=eligible,
-        base=base, experts=experts, composed=log_q, base_probs=base_probs, expert_probs=expert_probs,
-        composed_probs=composed_probs, centred=centred, columns=None, outside_mass=None,
-        centre_below=None, centre_above=None, delta_extent=None,
+        activity=activity,
+        active=active,
+        single_active=single,
+        single_eligible=eligible,
+        base=base,
+        experts=experts,
+        composed=log_q,
+        base_probs=base_probs,
+        expert_probs=expert_probs,
+        composed_probs=composed_probs,
+        centred=centred,
+        columns=None,
+        outside_mass=None,
+        centre_below=None,
+        centre_above=None,
+        delta_extent=None,
         supports=dx.delta_supports_from_probs(centred, base_probs, expert_probs, settings.epsilon, settings.eta),
     )
     fields.update(_merge_measures(base, experts, log_q, merged, scaled_experts, weights))
@@ -332,7 +361,9 @@ def vocabulary_sums(components: torch.Tensor, log_q: torch.Tensor) -> tuple[torc
     return kl_base, self_information, cross_composed, probs.sum(-1), deltas.amin(-1), deltas.amax(-1), peak
 
 
-def tail_delta_range(components: torch.Tensor, peak: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def tail_delta_range(
+    components: torch.Tensor, peak: torch.Tensor, threshold: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The least and largest δ_i over the tokens outside U, from a second read of the log-probs.
 
     Args:
@@ -358,6 +389,8 @@ COMPILE_MIN_VOCAB = 4096
 
 def compile_rows(V: int) -> int:
     return max(1, min(1024, 2**21 // V))
+
+
 _compiled: dict = {"failed": False}
 
 
@@ -377,9 +410,14 @@ def _pass(function, n: int, V: int, *tensors: torch.Tensor) -> tuple[torch.Tenso
         results = _compiled[function.__name__](*tensors)
     except Exception as error:  # noqa: BLE001 - any compiler failure: the eager function gives the same values
         _compiled["failed"] = True
-        warnings.warn(f"torch.compile of the overlap's vocabulary pass failed ({type(error).__name__}); running it eagerly")
+        warnings.warn(
+            f"torch.compile of the overlap's vocabulary pass failed ({type(error).__name__}); running it eagerly",
+            stacklevel=2,
+        )
         return function(*(t[..., :n] if t.dim() == 1 else t[..., :n, :] for t in tensors))
-    return tuple(result[..., :n, :] if result.shape[-1] == V and result.dim() == 2 else result[..., :n] for result in results)
+    return tuple(
+        result[..., :n, :] if result.shape[-1] == V and result.dim() == 2 else result[..., :n] for result in results
+    )
 
 
 def _union_rows(components, composed, merged, scaled_experts, weights, settings: OverlapSettings) -> dict:
@@ -387,13 +425,15 @@ def _union_rows(components, composed, merged, scaled_experts, weights, settings:
 
     U is, per position, the `settings.candidates` tokens with the largest max(p_b, p_i…, q). The
     log-probs are used as given (they must be normalised; checked). The centre is taken over U
-    (`analysis.diagnostics.union_centre`); for the base-weighted median the interval it returns
+    (`mergecompose.analysis.diagnostics.union_centre`); for the base-weighted median the interval it returns
     also holds the centre over all V, which bounds what the restriction changes (`mass_overlap_bounds`).
     """
     components, log_q = components.float(), composed.float()  # (k+1, n, V), (n, V)
     k, V = components.shape[0] - 1, components.shape[-1]
     n = log_q.shape[0]
-    kl_base, self_information, cross_composed, mass, delta_low, delta_high, peak = _pass(vocabulary_sums, n, V, components, log_q)
+    kl_base, self_information, cross_composed, mass, delta_low, delta_high, peak = _pass(
+        vocabulary_sums, n, V, components, log_q
+    )
     worst = float((mass - 1).abs().max())
     if not worst <= 1e-3:
         raise ValueError(
@@ -407,16 +447,26 @@ def _union_rows(components, composed, merged, scaled_experts, weights, settings:
     choice = torch.where(active.any(0), active.float().argmax(0) + 1, 0)  # (n,)
     single = (self_information - cross_composed).gather(0, choice[None])[0].clamp(min=0)
     fields = dict(
-        activity=activity, active=active, single_active=torch.where(eligible, single, 0.0), single_eligible=eligible,
+        activity=activity,
+        active=active,
+        single_active=torch.where(eligible, single, 0.0),
+        single_eligible=eligible,
     )
     fields.update(_merge_measures(components[0], components[1:], log_q, merged, scaled_experts, weights))
 
     top = peak.topk(min(settings.candidates, V), dim=-1, sorted=False)
     columns = top.indices.sort(dim=-1).values  # (n, M)
     tail_low, tail_high = _pass(tail_delta_range, n, V, components, peak, top.values.amin(-1))  # (k, n) each
-    gathered = torch.cat([components.gather(-1, columns.expand(k + 1, *columns.shape)), log_q.gather(-1, columns)[None]])
+    gathered = torch.cat(
+        [components.gather(-1, columns.expand(k + 1, *columns.shape)), log_q.gather(-1, columns)[None]]
+    )
     fields.update(
-        columns=columns, gathered=gathered, delta_low=delta_low, delta_high=delta_high, tail_low=tail_low, tail_high=tail_high
+        columns=columns,
+        gathered=gathered,
+        delta_low=delta_low,
+        delta_high=delta_high,
+        tail_low=tail_low,
+        tail_high=tail_high,
     )
     return fields
 
@@ -434,13 +484,25 @@ def _union_columns(fields: dict, settings: OverlapSettings) -> dict:
     bounded = settings.centre == "base_weighted_median"
     centre_weights = probs[0] if bounded else torch.ones_like(probs[0])
     centre, lower, upper = dx.union_centre(
-        deltas, centre_weights.expand_as(deltas), outside_mass[0].expand(k, -1), (delta_low, delta_high), bounded=bounded
+        deltas,
+        centre_weights.expand_as(deltas),
+        outside_mass[0].expand(k, -1),
+        (delta_low, delta_high),
+        bounded=bounded,
     )  # each (k, n, 1)
     centred = deltas - centre
     fields.update(
-        base=base, experts=experts, composed=gathered[k + 1], base_probs=probs[0], expert_probs=probs[1 : k + 1],
-        composed_probs=probs[k + 1], centred=centred, columns=columns, outside_mass=outside_mass,
-        centre_below=(centre - lower)[..., 0], centre_above=(upper - centre)[..., 0],
+        base=base,
+        experts=experts,
+        composed=gathered[k + 1],
+        base_probs=probs[0],
+        expert_probs=probs[1 : k + 1],
+        composed_probs=probs[k + 1],
+        centred=centred,
+        columns=columns,
+        outside_mass=outside_mass,
+        centre_below=(centre - lower)[..., 0],
+        centre_above=(upper - centre)[..., 0],
         # Outside U, |δ_i − c| ≤ this for every c in the centre's interval; 0 where nothing is outside.
         delta_extent=torch.maximum(tail_high - lower[..., 0], upper[..., 0] - tail_low).clamp(min=0),  # (k, n)
         supports=dx.delta_supports_from_probs(centred, probs[0], probs[1 : k + 1], settings.epsilon, settings.eta),
@@ -500,7 +562,9 @@ class ActivityReducer:
         }
         return {
             "coactivation_rate": float(self.coactive_count[-1]) / n,
-            "coactivation_by_epsilon": {str(e): float(self.coactive_count[row]) / n for row, e in enumerate(self.epsilons)},
+            "coactivation_by_epsilon": {
+                str(e): float(self.coactive_count[row]) / n for row, e in enumerate(self.epsilons)
+            },
             "active_count_distribution": (self.active_set_sizes.double() / n).tolist(),
             "experts": experts,
             "kl_histograms": {name: histogram.to_dict() for name, histogram in zip(self.names, self.kl_histograms)},
@@ -543,7 +607,8 @@ class IntervalReducer:
         experts = {
             name: {
                 "sequences_active_fraction": float(self.sequences_active[index]) / sequences,
-                "interval_length_mean": float(self.interval_length_sum[index]) / max(int(self.sequences_active[index]), 1),
+                "interval_length_mean": float(self.interval_length_sum[index])
+                / max(int(self.sequences_active[index]), 1),
             }
             for index, name in enumerate(self.names)
         }
@@ -741,7 +806,8 @@ class ProjectiveErrorReducer:
                 # The same, only where the expert is active (a_{i,t} > ε): where its skill acts.
                 "projective_error_active": (
                     float(self.restricted_active_sum[index]) / int(self.active_count[index])
-                    if int(self.active_count[index]) else None
+                    if int(self.active_count[index])
+                    else None
                 ),
             }
             for index, name in enumerate(self.names)
@@ -758,7 +824,7 @@ class ProjectiveErrorReducer:
 
 class MergeGapReducer:
     """Merge vs compose: `KL(q ‖ m)`, top-1 agreement and, given `θ_b + λτ_i`, the interaction residual
-    (`analysis.diagnostics.interaction_residual`) against the composed logit change `Σ λ_i δ_i`."""
+    (`mergecompose.analysis.diagnostics.interaction_residual`) against the composed logit change `Σ λ_i δ_i`."""
 
     def __init__(self, weights: list[float], vocab_size: int):
         self.weights = weights
@@ -809,7 +875,7 @@ class MergeGapReducer:
 
 
 class LinearizationReducer:
-    """Per expert, the linearization error of `θ_b + λτ_i` (`analysis.diagnostics.linearization_error`);
+    """Per expert, the linearization error of `θ_b + λτ_i` (`mergecompose.analysis.diagnostics.linearization_error`);
     measured only when some λ ≠ 1 (at λ = 1 it is 0 by construction)."""
 
     def __init__(self, names: list[str], weights: list[float]):
@@ -876,7 +942,9 @@ class ExampleReducer:
             next_tokens = None
             if input_ids is not None:
                 padded = torch.cat([input_ids[row], input_ids.new_full((1,), -1)])
-                next_tokens = [None if t < 0 else token_labels([t], self.decode)[0] for t in padded[columns + 1].tolist()]
+                next_tokens = [
+                    None if t < 0 else token_labels([t], self.decode)[0] for t in padded[columns + 1].tolist()
+                ]
             self.heatmap.append(
                 {
                     "sequence": first_sequence + offset,
@@ -888,7 +956,11 @@ class ExampleReducer:
 
     def _update_reservoir(self, batch: SequenceBatch, rows: list[int], first_sequence: int) -> None:
         input_ids, attention_mask = batch.input_ids, batch.attention_mask
-        named = [("base", batch.components[0]), *zip(self.names, batch.components[1:]), ("composed", batch.composed_grid)]
+        named = [
+            ("base", batch.components[0]),
+            *zip(self.names, batch.components[1:]),
+            ("composed", batch.composed_grid),
+        ]
         if batch.merged_grid is not None:
             named.append(("merged", batch.merged_grid))
         flat = batch.mask.nonzero()  # (N, 2): (row, column)
@@ -949,7 +1021,8 @@ class VocabularyReducer:
         return {
             "measured": "top_k_union",
             "candidates": self.candidates,
-            "outside_mass_mean": {label: float(self.outside_sum[i]) / self.positions for i, label in enumerate(self.labels)},
+            "outside_mass_mean": {
+                label: float(self.outside_sum[i]) / self.positions for i, label in enumerate(self.labels)
+            },
             "outside_mass_max": {label: float(self.outside_max[i]) for i, label in enumerate(self.labels)},
         }
-

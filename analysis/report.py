@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from composition.io import atomic_save_figure, markdown_table
+from mergecompose.core.io import atomic_save_figure, markdown_table
 
 
 def format_number(value, digits: int = 4) -> str:
@@ -43,10 +43,27 @@ def expert_rows(report: dict) -> list[list]:
 
 
 EXPERT_HEADER = [
-    "expert", "KL(p_i‖p_b) mean", "median ≤", "active frac.", "seqs active", "interval len.",
-    "projective err.", "… where active", "lineariz. err.",
+    "expert",
+    "KL(p_i‖p_b) mean",
+    "median ≤",
+    "active frac.",
+    "seqs active",
+    "interval len.",
+    "projective err.",
+    "… where active",
+    "lineariz. err.",
 ]
-PAIR_HEADER = ["pair", "mass overlap O", "sign conflict", "support Jaccard", "co-active", "interval overlap", "param. cosine", "TIES sign conflict", "trim-mask Jaccard"]
+PAIR_HEADER = [
+    "pair",
+    "mass overlap O",
+    "sign conflict",
+    "support Jaccard",
+    "co-active",
+    "interval overlap",
+    "param. cosine",
+    "TIES sign conflict",
+    "trim-mask Jaccard",
+]
 
 
 def pair_rows(report: dict) -> list[list]:
@@ -89,7 +106,15 @@ def headline_rows(results: dict) -> list[list]:
     return rows
 
 
-HEADLINE_HEADER = ["measured on", "positions", "co-activation", "projective err. (|A|≤1)", "|A|≤1 frac.", "gap KL(q‖m)", "top-1 agree"]
+HEADLINE_HEADER = [
+    "measured on",
+    "positions",
+    "co-activation",
+    "projective err. (|A|≤1)",
+    "|A|≤1 frac.",
+    "gap KL(q‖m)",
+    "top-1 agree",
+]
 
 
 def vocabulary_lines(results: dict) -> list[str]:
@@ -105,7 +130,8 @@ def vocabulary_lines(results: dict) -> list[str]:
     )
     bounds = "; ".join(
         f"{key} [{format_number(stats['mass_overlap_bounds'][0])}, {format_number(stats['mass_overlap_bounds'][1])}]"
-        for key, stats in results["pairs"].items() if stats.get("mass_overlap_bounds")
+        for key, stats in results["pairs"].items()
+        if stats.get("mass_overlap_bounds")
     )
     return [
         f"Deltas centred by the {centre}. Centre, supports, overlap sums and top tokens on the "
@@ -162,7 +188,9 @@ def markdown(results: dict) -> str:
     for example in results["reservoir"][:8]:
         context = "".join(str(t) for t in example.get("context", []))
         activity = ", ".join(format_number(a, 3) for a in example["activity"])
-        tops = "; ".join(f"{name}: {' '.join(repr(str(t)) for t, _ in top[:3])}" for name, top in example["top"].items())
+        tops = "; ".join(
+            f"{name}: {' '.join(repr(str(t)) for t, _ in top[:3])}" for name, top in example["top"].items()
+        )
         lines.append(f"- `{context!r}` → {example.get('next_token', '')!r}; activity [{activity}]; top-3 {tops}")
     lines.append("")
     if "recommendation" in results:
@@ -183,7 +211,10 @@ def terminal_table(results: dict) -> str:
 
 
 def plot_activity_heatmap(
-    heatmap: list[dict], expert_names: list[str], path: Path, intervals_label: str = "estimated active interval [τ1, τ2)"
+    heatmap: list[dict],
+    expert_names: list[str],
+    path: Path,
+    intervals_label: str = "estimated active interval [τ1, τ2)",
 ) -> None:
     """Per-position activity log10 KL(p_i ‖ p_b) of a few sequences, one panel per sequence.
 
@@ -215,7 +246,14 @@ def plot_activity_heatmap(
         for index, interval in enumerate(item.get("intervals") or []):
             if interval is not None:
                 axis.add_patch(
-                    Rectangle((interval[0] - 0.5, index - 0.5), interval[1] - interval[0], 1, fill=False, edgecolor="cyan", linewidth=1.2)
+                    Rectangle(
+                        (interval[0] - 0.5, index - 0.5),
+                        interval[1] - interval[0],
+                        1,
+                        fill=False,
+                        edgecolor="cyan",
+                        linewidth=1.2,
+                    )
                 )
         tokens = item.get("next_tokens")
         if tokens and len(tokens) <= 80:
@@ -246,7 +284,7 @@ def plot_gap_histogram(histogram: dict, path: Path, title: str = "merge-vs-compo
     figure, axis = plt.subplots(figsize=(6, 3.5))
     axis.stairs(counts, edges, fill=True)
     axis.set_xscale("log")
-    axis.set_xlabel("KL (nats); first bin: [0, %.0e), last: [%.0e, ∞]" % (inner[0], inner[-1]))
+    axis.set_xlabel(f"KL (nats); first bin: [0, {inner[0]:.0e}), last: [{inner[-1]:.0e}, ∞]")
     axis.set_ylabel("positions")
     axis.set_title(title, fontsize=9)
     try:
@@ -265,7 +303,9 @@ def json_safe(value, undefined: list[str] | None = None, path: str = ""):
     if isinstance(value, float) and math.isinf(value):
         return str(value)
     if isinstance(value, dict):
-        return {str(key): json_safe(item, undefined, f"{path}.{key}" if path else str(key)) for key, item in value.items()}
+        return {
+            str(key): json_safe(item, undefined, f"{path}.{key}" if path else str(key)) for key, item in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return [json_safe(item, undefined, f"{path}[{index}]") for index, item in enumerate(value)]
     return value

@@ -13,17 +13,17 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from analysis.data import encode_records, make_batches, prompt_batches, read_jsonl
-from analysis.measure import measure_overlap, rollout_batches
-from analysis.predict import load_rule, recommend, unlabelled_diagnostics
-from analysis.report import write_outputs
-from analysis.streaming import OverlapSettings
-from composition import ComposedLM
-from composition.adapters import merged_adapter_model
-from composition.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
-from composition.model import is_adapter_source
-from composition.sources import check_tokenizer_source
-from merging import TaskVector, merge
+from mergecompose.analysis.data import encode_records, make_batches, prompt_batches, read_jsonl
+from mergecompose.analysis.measure import measure_overlap, rollout_batches
+from mergecompose.analysis.predict import load_rule, recommend, unlabelled_diagnostics
+from mergecompose.analysis.report import write_outputs
+from mergecompose.analysis.streaming import OverlapSettings
+from mergecompose.composition import ComposedLM
+from mergecompose.composition.model import is_adapter_source
+from mergecompose.core.adapters import merged_adapter_model
+from mergecompose.core.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
+from mergecompose.core.sources import check_tokenizer_source
+from mergecompose.merging import TaskVector, merge
 
 
 class OverlapRunConfig(BaseModel):
@@ -33,7 +33,7 @@ class OverlapRunConfig(BaseModel):
       adapter (told apart by `adapter_config.json`).
     * `merged`: the task-arithmetic merge `θ_b + λΣτ_i` (checkpoint or adapter), optional.
     * `lam`: λ, the composition's exponent for every expert and the merge's scale. With λ ≠ 1
-      each `θ_b + λτ_i` is built in memory (`merging.merge("task_arithmetic", ...)`) for the
+      each `θ_b + λτ_i` is built in memory (`mergecompose.merging.merge("task_arithmetic", ...)`) for the
       single-expert linearization error.
     * `data`: jsonl with `{"text"}` or `{"prompt", "completion"}` records; `tokenizer` defaults to
       the base's.
@@ -45,7 +45,7 @@ class OverlapRunConfig(BaseModel):
       of a text record).
     * `parameter_density`: the TIES trim's kept share for the parameter-space measures;
       `parameter_measures: false` skips them.
-    * `recommend`: also say whether to merge or compose (`analysis.predict`): the unlabelled
+    * `recommend`: also say whether to merge or compose (`mergecompose.analysis.predict`): the unlabelled
       diagnostics on the composition's own rollouts (measured even if `rollouts` omits
       "composed"), against the merge (`merged`, else the task-arithmetic merge at `lam` built in
       memory), read by the verdict rule `rule` (a predict_rule.json; default the one shipped).
@@ -85,7 +85,9 @@ class OverlapRunConfig(BaseModel):
     @model_validator(mode="after")
     def _known_rollouts(self) -> OverlapRunConfig:
         if self.rule is not None and not self.recommend:
-            raise ValueError("`rule` is the verdict rule of `recommend`; set `recommend: true` (--recommend) or drop it")
+            raise ValueError(
+                "`rule` is the verdict rule of `recommend`; set `recommend: true` (--recommend) or drop it"
+            )
         if self.rule is not None and not Path(self.rule).is_file():
             raise ValueError(f"`rule` must be an existing predict_rule.json file, got {self.rule!r}")
         if self.recommend and not self.parameter_measures:
@@ -150,10 +152,16 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     rule = load_rule(config.rule) if config.recommend else None  # a bad rule file fails before any model loads
     records = read_jsonl(config.data, config.max_records)  # before any model loads: a bad file fails fast
     # The tokenizer too: loading it is quick, and a bad one should not cost loading every model first.
-    tokenizer = AutoTokenizer.from_pretrained(check_tokenizer_source(config.tokenizer, "tokenizer")) if config.tokenizer else None
+    tokenizer = (
+        AutoTokenizer.from_pretrained(check_tokenizer_source(config.tokenizer, "tokenizer"))
+        if config.tokenizer
+        else None
+    )
     device = _device(config.device)
     k = len(config.experts)
-    composed = ComposedLM.from_pretrained(config.base, experts=config.experts, weights=[config.lam] * k, device_map=device)
+    composed = ComposedLM.from_pretrained(
+        config.base, experts=config.experts, weights=[config.lam] * k, device_map=device
+    )
     sources = _rollout_sources(config.rollouts + (["composed"] if config.recommend else []), composed.expert_names)
     tokenizer = tokenizer or composed.tokenizer
     if tokenizer is None:
@@ -195,7 +203,9 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     merged = None if config.merged is None else _load_causal_lm(config.merged, config.base, device)
     if merged is None and config.recommend:
         merged = AutoModelForCausalLM.from_pretrained(config.base).eval().to(device)
-        merged.load_state_dict(merge("task_arithmetic", base_model, list(task_vectors.values()), lam=config.lam, progress=False))
+        merged.load_state_dict(
+            merge("task_arithmetic", base_model, list(task_vectors.values()), lam=config.lam, progress=False)
+        )
 
     common = dict(settings=config.settings, tokenizer=tokenizer, progress=progress)
     report = measure_overlap(
@@ -213,16 +223,31 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     results["rollouts"] = {}
     for source in sources:
         rolled = rollout_batches(
-            composed, prompts, source=source, max_new_tokens=config.max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=pad_id,
+            composed,
+            prompts,
+            source=source,
+            max_new_tokens=config.max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=pad_id,
         )
         rollout_report = measure_overlap(
-            composed, rolled, merged_model=merged, scaled_expert_models=scaled, description=f"rollouts: {source}", **common
+            composed,
+            rolled,
+            merged_model=merged,
+            scaled_expert_models=scaled,
+            description=f"rollouts: {source}",
+            **common,
         ).to_dict()
         results["rollouts"][source] = rollout_report
         if source == "composed" and rule is not None:
-            diagnostics, _ = unlabelled_diagnostics(composed, rolled, merged_model=merged, task_vectors=task_vectors,
-                                                    settings=config.settings, progress=progress)
+            diagnostics, _ = unlabelled_diagnostics(
+                composed,
+                rolled,
+                merged_model=merged,
+                task_vectors=task_vectors,
+                settings=config.settings,
+                progress=progress,
+            )
             results["recommendation"] = recommend(rule, diagnostics)
     results["experts_loaded"] = dict(zip(composed.expert_names, config.experts))
 

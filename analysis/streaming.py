@@ -1,9 +1,9 @@
 """Streaming reduction of the diagnostics: chunks of positions in, scalars and histograms out.
 
 `OverlapAccumulator.update` takes the component log-probs of one batch, computes what every
-measure needs once (`analysis.reducers.MeasuredBatch`, a few positions at a time, so that each
+measure needs once (`mergecompose.analysis.reducers.MeasuredBatch`, a few positions at a time, so that each
 pass over the vocabulary works in cache) and hands it to the small reducers of
-`analysis.reducers`, each with its own running sums, `update` and `report`. The batch is then
+`mergecompose.analysis.reducers`, each with its own running sums, `update` and `report`. The batch is then
 dropped. Memory is O(k·V + k² + bins + reservoir), independent of the number of tokens: no
 `(N, V)` tensor for the whole data set is ever kept.
 """
@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from analysis.diagnostics import active_intervals
-from analysis.reducers import (
+from mergecompose.analysis.diagnostics import active_intervals
+from mergecompose.analysis.reducers import (
     ActivityReducer,
     ExampleReducer,
     IntervalReducer,
@@ -31,7 +31,7 @@ from analysis.reducers import (
     TopTokenReducer,
     VocabularyReducer,
 )
-from composition.rule import check_weights, compose_logprobs
+from mergecompose.composition.rule import check_weights, compose_logprobs
 
 
 @dataclass
@@ -207,7 +207,11 @@ class OverlapAccumulator:
         batch_shape = tuple(components.shape[1:3])
         if tuple(mask.shape) != batch_shape:
             raise ValueError(f"`mask` must be (batch, seq) = {batch_shape}, got {tuple(mask.shape)}")
-        for name, tensor, lead in [("composed", composed, ()), ("merged", merged, ()), ("scaled_experts", scaled_experts, (k,))]:
+        for name, tensor, lead in [
+            ("composed", composed, ()),
+            ("merged", merged, ()),
+            ("scaled_experts", scaled_experts, (k,)),
+        ]:
             if tensor is not None and tuple(tensor.shape) != (*lead, *batch_shape, V):
                 raise ValueError(f"`{name}` must have shape {(*lead, *batch_shape, V)}, got {tuple(tensor.shape)}")
 
@@ -227,8 +231,12 @@ class OverlapAccumulator:
         for start in range(0, n, step):
             rows = flat[start : start + step]
             measured = MeasuredBatch.measure(
-                _pick(components, rows), _pick(composed, rows), _pick(merged, rows), _pick(scaled_experts, rows),
-                self.weights, self.settings,
+                _pick(components, rows),
+                _pick(composed, rows),
+                _pick(merged, rows),
+                _pick(scaled_experts, rows),
+                self.weights,
+                self.settings,
             )
             for reducer in self.position_reducers:
                 reducer.update(measured)

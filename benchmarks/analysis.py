@@ -6,7 +6,7 @@ Gemma-2-2B-shaped model (vocab 256,000; for a GPU, `--device cuda --dtype bfloat
 token sequences of `--seq-length`.
 
   bare      `component_logprobs` + `compose_with_remedies` on every batch (the forward passes q needs)
-  analysis  `analysis.measure_overlap` on the same batches (the same passes + the streaming reduction),
+  analysis  `mergecompose.analysis.measure_overlap` on the same batches (the same passes + the streaming reduction),
             with the default settings (base-weighted centre, token statistics on the top-k union), or
             over the whole vocabulary with `--full-vocabulary`
 
@@ -39,13 +39,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from analysis import OverlapSettings, measure_overlap
 from benchmarks.decode import model_config
 from benchmarks.memory import PeakSampler, peak_rss_mib
 from benchmarks.report import write_results
-from composition import ComposedLM, compose_with_remedies
-from composition.io import markdown_table
-from composition.tiny import random_lora_adapter
+from mergecompose.analysis import OverlapSettings, measure_overlap
+from mergecompose.composition import ComposedLM, compose_with_remedies
+from mergecompose.core.io import markdown_table
+from mergecompose.core.tiny import random_lora_adapter
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,9 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, nargs="+", default=[10_000, 100_000])
     parser.add_argument("--memory-tokens", type=int, nargs="*", default=None, help="default: --tokens; none: skip")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--full-vocabulary", action="store_true", help="measure with OverlapSettings(full_vocabulary=True)")
+    parser.add_argument(
+        "--full-vocabulary", action="store_true", help="measure with OverlapSettings(full_vocabulary=True)"
+    )
     parser.add_argument("--centre", default=None, choices=["median", "base_weighted_median"])
-    parser.add_argument("--profile", type=int, default=None, metavar="TOKENS", help="cProfile measure_overlap on TOKENS")
+    parser.add_argument(
+        "--profile", type=int, default=None, metavar="TOKENS", help="cProfile measure_overlap on TOKENS"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--smoke", action="store_true")
@@ -101,7 +105,9 @@ class Setup:
         finally:
             torch.set_default_dtype(default_dtype)
         adapters = {
-            f"expert_{i}": str(random_lora_adapter(base, Path(self._folder.name) / f"e{i}", seed=10 + i, rank=args.rank, scale=0.3))
+            f"expert_{i}": str(
+                random_lora_adapter(base, Path(self._folder.name) / f"e{i}", seed=10 + i, rank=args.rank, scale=0.3)
+            )
             for i in range(2)
         }
         self.composed = ComposedLM.from_adapters(base, adapters)
@@ -148,7 +154,19 @@ def memory_child(args) -> None:
 
 def memory(args, tokens: int) -> dict:
     command = [sys.executable, "-m", "benchmarks.analysis", "--memory-child", str(tokens)]
-    for key in ["arch", "hidden", "layers", "heads", "intermediate", "vocab", "rank", "seq_length", "batch_size", "device", "dtype"]:
+    for key in [
+        "arch",
+        "hidden",
+        "layers",
+        "heads",
+        "intermediate",
+        "vocab",
+        "rank",
+        "seq_length",
+        "batch_size",
+        "device",
+        "dtype",
+    ]:
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     if args.full_vocabulary:
         command.append("--full-vocabulary")
@@ -158,7 +176,12 @@ def memory(args, tokens: int) -> dict:
     if output.returncode != 0:
         raise RuntimeError(f"memory child failed:\n{output.stderr[-3000:]}")
     peak, anonymous, before, device = (float(v) for v in output.stdout.strip().splitlines()[-1].split())
-    return {"peak_rss_mb": peak, "peak_anonymous_rss_mb": anonymous, "rss_before_analysis_mb": before, "peak_device_mb": device}
+    return {
+        "peak_rss_mb": peak,
+        "peak_anonymous_rss_mb": anonymous,
+        "rss_before_analysis_mb": before,
+        "peak_device_mb": device,
+    }
 
 
 def profile(setup: Setup, tokens: int, top: int = 15) -> list[str]:
@@ -185,7 +208,12 @@ def main(argv=None) -> int:
     warm = min(args.tokens[0], 2 * args.batch_size * args.seq_length)
     setup.bare(warm)  # warm-up, and the vocabulary pass's compilation (once per process)
     setup.analysis(warm)
-    results = {"args": vars(args), "settings": setup.settings.model_dump(), "base_parameters": setup.parameters, "tokens": {}}
+    results = {
+        "args": vars(args),
+        "settings": setup.settings.model_dump(),
+        "base_parameters": setup.parameters,
+        "tokens": {},
+    }
     for tokens in args.tokens:
         seconds = {"bare": [], "analysis": []}
         for _ in range(args.repeats):
@@ -195,10 +223,16 @@ def main(argv=None) -> int:
                 seconds[name].append(time.perf_counter() - start)
         bare, analysis = statistics.median(seconds["bare"]), statistics.median(seconds["analysis"])
         results["tokens"][str(tokens)] = {
-            "bare_seconds": bare, "analysis_seconds": analysis, "overhead": analysis / bare - 1,
-            "bare_runs": seconds["bare"], "analysis_runs": seconds["analysis"],
+            "bare_seconds": bare,
+            "analysis_seconds": analysis,
+            "overhead": analysis / bare - 1,
+            "bare_runs": seconds["bare"],
+            "analysis_runs": seconds["analysis"],
         }
-        print(f"{tokens} tokens: bare {bare:.2f} s, analysis {analysis:.2f} s, overhead {analysis / bare - 1:+.1%}", flush=True)
+        print(
+            f"{tokens} tokens: bare {bare:.2f} s, analysis {analysis:.2f} s, overhead {analysis / bare - 1:+.1%}",
+            flush=True,
+        )
     memory_tokens = args.tokens if args.memory_tokens is None else args.memory_tokens
     results["memory"] = {str(tokens): memory(args, tokens) for tokens in memory_tokens}
     if len(memory_tokens) >= 2:
@@ -221,8 +255,10 @@ def main(argv=None) -> int:
     if memory_table:
         print(markdown_table(["tokens", "peak RSS MiB", "peak anon MiB", "peak device MiB"], memory_table, pad=True))
     if "memory_growth" in results:
-        print(f"memory growth {memory_tokens[0]} -> {memory_tokens[-1]} tokens: {results['memory_growth']:+.1%} (RSS), "
-              f"{results['anonymous_memory_growth']:+.1%} (anonymous)")
+        print(
+            f"memory growth {memory_tokens[0]} -> {memory_tokens[-1]} tokens: {results['memory_growth']:+.1%} (RSS), "
+            f"{results['anonymous_memory_growth']:+.1%} (anonymous)"
+        )
     print("targets: overhead ≤ 15 %, memory growth ≤ 10 %")
     write_results(results, args.out)
     return 0

@@ -44,20 +44,26 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.memory import peak_rss_mib
 from benchmarks.report import write_results
-from composition import ComposedLM, SpeculationStats, compose_logprobs
-from composition.io import markdown_table
-from composition.tiny import ALL_LINEAR, tiny_llama_config
-from tasks.components import prepare_components
-from tasks.config import load_config
-from tasks.letters.task import sample_strings
-from tasks.strings import is_held_out
-from tasks.tokenizer import encode_strings
+from mergecompose.composition import ComposedLM, SpeculationStats, compose_logprobs
+from mergecompose.core.io import markdown_table
+from mergecompose.core.tiny import ALL_LINEAR, tiny_llama_config
+from mergecompose.experiments.components import prepare_components
+from mergecompose.experiments.config import load_config
+from mergecompose.experiments.letters.task import sample_strings
+from mergecompose.experiments.strings import is_held_out
+from mergecompose.experiments.tokenizer import encode_strings
 
 SYSTEMS = ["base", "full", "lora", "naive"]
 # Speculative systems -> the composition each one speeds up.
 SPECULATIVE = {"full+spec": "full", "lora+spec": "lora"}
-NAMES = {"base": "(a) base generate", "full": "(b) composed, full", "lora": "(c) composed, LoRA",
-         "naive": "(d) naive re-run", "full+spec": "(e) full + merged draft", "lora+spec": "(f) LoRA + merged draft"}
+NAMES = {
+    "base": "(a) base generate",
+    "full": "(b) composed, full",
+    "lora": "(c) composed, LoRA",
+    "naive": "(d) naive re-run",
+    "full+spec": "(e) full + merged draft",
+    "lora+spec": "(f) LoRA + merged draft",
+}
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +74,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--expert-scale", type=float, default=0.05,
-                        help="random LoRA factors are multiplied by this (larger: experts farther from the base, a poorer merge)")
+    parser.add_argument(
+        "--expert-scale",
+        type=float,
+        default=0.05,
+        help="random LoRA factors are multiplied by this (larger: experts farther from the base, a poorer merge)",
+    )
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
@@ -78,15 +88,28 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="llama", choices=["llama", "gemma2-2b"],
-                        help="llama: sized by the flags below; gemma2-2b: a random Gemma-2-2B-shaped model")
+    parser.add_argument(
+        "--arch",
+        default="llama",
+        choices=["llama", "gemma2-2b"],
+        help="llama: sized by the flags below; gemma2-2b: a random Gemma-2-2B-shaped model",
+    )
     add_workload_arguments(parser)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + list(SPECULATIVE))
     parser.add_argument("--draft-tokens", type=int, default=4, help="K, tokens drafted a round by (e) and (f)")
-    parser.add_argument("--draft-lambda", type=float, nargs="+", default=None,
-                        help="λ_i of the merged draft (default: the composition's weights, 1.0 each)")
-    parser.add_argument("--letters", default=None, metavar="RUN_DIR",
-                        help="the trained letters models of this compare run folder (its config.yaml and checkpoints/)")
+    parser.add_argument(
+        "--draft-lambda",
+        type=float,
+        nargs="+",
+        default=None,
+        help="λ_i of the merged draft (default: the composition's weights, 1.0 each)",
+    )
+    parser.add_argument(
+        "--letters",
+        default=None,
+        metavar="RUN_DIR",
+        help="the trained letters models of this compare run folder (its config.yaml and checkpoints/)",
+    )
     parser.add_argument("--letters-strings", type=int, default=16, help="held-out joint strings per run (--letters)")
     parser.add_argument("--letters-length", type=int, default=16, help="their length L; L + 1 tokens are generated")
     parser.add_argument("--lora-implementation", default="stacked", choices=["stacked", "peft"])
@@ -114,13 +137,27 @@ def model_config(args):
 
         # google/gemma-2-2b's shape: 26 layers, hidden 2304, 8 heads (4 KV) of 256, MLP 9216, vocab 256000.
         return Gemma2Config(
-            vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
-            num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=8192,
-            sliding_window=4096, bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.02,
+            vocab_size=256000,
+            hidden_size=2304,
+            intermediate_size=9216,
+            num_hidden_layers=26,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            max_position_embeddings=8192,
+            sliding_window=4096,
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+            initializer_range=0.02,
         )
     return tiny_llama_config(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.heads,
-        intermediate_size=args.intermediate, initializer_range=0.02,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        intermediate_size=args.intermediate,
+        initializer_range=0.02,
     )
 
 
@@ -156,7 +193,9 @@ class Workbench:
                 self.systems[name] = lambda prompt, name=name: getattr(self, name).generate(**prompt, **self._decoding)
         for name, plain in SPECULATIVE.items():
             if name in systems:
-                self.systems[name] = lambda prompt, name=name, plain=plain: self._speculate(name, getattr(self, plain), prompt)
+                self.systems[name] = lambda prompt, name=name, plain=plain: self._speculate(
+                    name, getattr(self, plain), prompt
+                )
         if "naive" in systems:
             self.naive_models = [self.base, *experts]
             self.systems["naive"] = self._run_naive
@@ -201,7 +240,10 @@ class Workbench:
         del base, peft_model
 
         def full_experts():
-            return [PeftModel.from_pretrained(fresh_base(), str(folder)).merge_and_unload().eval() for folder in adapter_dirs]
+            return [
+                PeftModel.from_pretrained(fresh_base(), str(folder)).merge_and_unload().eval()
+                for folder in adapter_dirs
+            ]
 
         self._decoding = {"max_new_tokens": args.new_tokens}
         self._prompt_batches = self._random_prompts
@@ -226,8 +268,13 @@ class Workbench:
 
         task = config.task.letter_task()
         member = task.membership("joint")
-        strings = sample_strings(config.task.alphabet, args.letters_length, args.letters_strings, np.random.default_rng(0),
-                                 keep=lambda text: is_held_out(text) and member(text))
+        strings = sample_strings(
+            config.task.alphabet,
+            args.letters_length,
+            args.letters_strings,
+            np.random.default_rng(0),
+            keep=lambda text: is_held_out(text) and member(text),
+        )
         self.letter_ids = encode_strings(tokenizer, strings)
         args.new_tokens = args.letters_length + 1  # the characters, then EOS
         self.parameters = fresh_base().num_parameters()
@@ -250,13 +297,24 @@ class Workbench:
         prompts = []
         for start in range(0, len(self.letter_ids) - batch + 1, batch):
             prompt = self.format.prompt(self.letter_ids[start : start + batch], self.new_tokens)
-            prompts.append({"input_ids": prompt.input_ids, "attention_mask": prompt.attention_mask,
-                            "position_ids": prompt.position_ids, "generated_position_ids": prompt.generated_position_ids})
+            prompts.append(
+                {
+                    "input_ids": prompt.input_ids,
+                    "attention_mask": prompt.attention_mask,
+                    "position_ids": prompt.position_ids,
+                    "generated_position_ids": prompt.generated_position_ids,
+                }
+            )
         return prompts
 
     def _speculate(self, name, composed, prompt):
-        out = composed.generate(**prompt, **self._decoding, draft="merged", num_draft_tokens=self.args.draft_tokens,
-                                draft_lambda=self.args.draft_lambda)
+        out = composed.generate(
+            **prompt,
+            **self._decoding,
+            draft="merged",
+            num_draft_tokens=self.args.draft_tokens,
+            draft_lambda=self.args.draft_lambda,
+        )
         self.speculation[name].append(composed.speculation_stats)
         return out
 
@@ -264,14 +322,18 @@ class Workbench:
     def _run_base(self, prompt):
         # transformers continues `position_ids` by one per token: the letters' generated positions.
         prompt = {key: value for key, value in prompt.items() if key != "generated_position_ids"}
-        return self.base.generate(**prompt, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, do_sample=False)
+        return self.base.generate(
+            **prompt, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, do_sample=False
+        )
 
     @torch.no_grad()
     def _run_naive(self, prompt):
         ids, mask = prompt["input_ids"], prompt["attention_mask"]
         for _ in range(self.new_tokens):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
-            logits = [m(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1] for m in self.naive_models]
+            logits = [
+                m(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1] for m in self.naive_models
+            ]
             next_tokens = compose_logprobs(logits[0], logits[1:]).argmax(-1)
             ids = torch.cat([ids, next_tokens[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -323,11 +385,31 @@ def speculation_summary(runs: list[SpeculationStats], draft_tokens: int) -> dict
 def peak_rss_mb(args, system: str) -> float:
     """Peak RSS (MiB; on CUDA, peak device memory) of a fresh process that builds only `system` and decodes batch 1 once."""
     command = [sys.executable, "-m", "benchmarks.decode", "--memory-child", system]
-    for key in ["hidden", "layers", "heads", "intermediate", "vocab", "rank", "expert_scale", "prompt_length", "new_tokens", "draft_tokens",
-                "letters_strings", "letters_length"]:
+    for key in [
+        "hidden",
+        "layers",
+        "heads",
+        "intermediate",
+        "vocab",
+        "rank",
+        "expert_scale",
+        "prompt_length",
+        "new_tokens",
+        "draft_tokens",
+        "letters_strings",
+        "letters_length",
+    ]:
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
-    command += ["--dtype", args.dtype, "--device", args.device, "--arch", args.arch,
-                "--lora-implementation", args.lora_implementation]
+    command += [
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--arch",
+        args.arch,
+        "--lora-implementation",
+        args.lora_implementation,
+    ]
     if args.letters:
         command += ["--letters", args.letters]
     if args.draft_lambda:
@@ -359,11 +441,19 @@ def main(argv=None) -> int:
         apply_smoke(args)
     bench = Workbench(args, args.systems)
     parameters = bench.parameters
-    results = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
-               "device": args.device, "dtype": args.dtype, "parameters": parameters, "args": vars(args), "batches": {}}
+    results = {
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+        "device": args.device,
+        "dtype": args.dtype,
+        "parameters": parameters,
+        "args": vars(args),
+        "batches": {},
+    }
     models = f"letters models of {args.letters}" if args.letters else f"{parameters / 1e6:.1f} M parameters"
-    print(f"decode benchmark: {models}, {args.dtype} on {args.device}, prompt {args.prompt_length if not args.letters else 'a letter string'}, "
-          f"{bench.new_tokens} new tokens, median of {args.repeats}")
+    print(
+        f"decode benchmark: {models}, {args.dtype} on {args.device}, prompt {args.prompt_length if not args.letters else 'a letter string'}, "
+        f"{bench.new_tokens} new tokens, median of {args.repeats}"
+    )
     for batch in args.batch_sizes:
         medians = time_systems(bench, batch, args.repeats)
         rows = {}
@@ -377,7 +467,9 @@ def main(argv=None) -> int:
                 row.update(speculation_summary(bench.speculation[name], args.draft_tokens))
                 bench.speculation[name].clear()
                 if SPECULATIVE[name] in rows:
-                    row["ratio_to_composition"] = row["tokens_per_second"] / rows[SPECULATIVE[name]]["tokens_per_second"]
+                    row["ratio_to_composition"] = (
+                        row["tokens_per_second"] / rows[SPECULATIVE[name]]["tokens_per_second"]
+                    )
         results["batches"][str(batch)] = rows
     if not args.no_memory:
         results["peak_rss_mb"] = {name: peak_rss_mb(args, name) for name in args.systems}
@@ -392,13 +484,35 @@ def _ratio(row, key) -> str:
 
 def print_table(results) -> None:
     rows = [
-        [NAMES[name], batch, f"{row['tokens_per_second']:.1f}", _ratio(row, "ratio_to_base"), _ratio(row, "ratio_to_composition"),
-         _ratio(row, "acceptance_rate"), _ratio(row, "tokens_per_round"), _ratio(row, "predicted_speedup")]
+        [
+            NAMES[name],
+            batch,
+            f"{row['tokens_per_second']:.1f}",
+            _ratio(row, "ratio_to_base"),
+            _ratio(row, "ratio_to_composition"),
+            _ratio(row, "acceptance_rate"),
+            _ratio(row, "tokens_per_round"),
+            _ratio(row, "predicted_speedup"),
+        ]
         for batch, batch_rows in results["batches"].items()
         for name, row in batch_rows.items()
     ]
-    print(markdown_table(["system", "batch", "tokens/s", "ratio to (a)", "ratio to its composition", "acceptance a",
-                          "tokens a round", "3E/(K+3)"], rows, pad=True))
+    print(
+        markdown_table(
+            [
+                "system",
+                "batch",
+                "tokens/s",
+                "ratio to (a)",
+                "ratio to its composition",
+                "acceptance a",
+                "tokens a round",
+                "3E/(K+3)",
+            ],
+            rows,
+            pad=True,
+        )
+    )
     if "peak_rss_mb" in results:
         memory = results["peak_rss_mb"]
         rows = [
@@ -406,6 +520,7 @@ def print_table(results) -> None:
             for name, value in memory.items()
         ]
         print(markdown_table(["system", "peak RSS MiB", "ratio to (a)"], rows, pad=True))
+
 
 if __name__ == "__main__":
     sys.exit(main())

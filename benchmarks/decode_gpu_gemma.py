@@ -32,18 +32,35 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.decode import model_config
 from benchmarks.report import write_results
-from composition import ComposedLM
+from mergecompose.composition import ComposedLM
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    query_pre_attn_scalar=32,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer Gemma-2 in float32 on the CPU (a check of the script)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a 2-layer Gemma-2 in float32 on the CPU (a check of the script)"
+    )
     parser.add_argument("--device", default=None, help="default: cuda, or cpu with --tiny")
-    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bfloat16, float32 with --tiny")
-    parser.add_argument("--noise", type=float, default=0.01, help="experts = base + noise · (each matrix's std) · N(0, 1)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="default: bfloat16, float32 with --tiny",
+    )
+    parser.add_argument(
+        "--noise", type=float, default=0.01, help="experts = base + noise · (each matrix's std) · N(0, 1)"
+    )
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
@@ -67,7 +84,9 @@ def build_models(args):
     torch.set_default_dtype(dtype)
     try:
         with device:
-            base = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()  # SDPA skips soft-capping
+            base = AutoModelForCausalLM.from_config(
+                config, attn_implementation="eager"
+            ).eval()  # SDPA skips soft-capping
     finally:
         torch.set_default_dtype(default_dtype)
     base.generation_config.eos_token_id = None  # every run makes exactly new_tokens tokens
@@ -101,15 +120,29 @@ def main(argv=None) -> int:
     build_seconds = time.perf_counter() - started
     lm = ComposedLM(base, experts)
     vocab = base.config.vocab_size
-    ids = torch.randint(3, vocab, (args.batch, args.prompt_length), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(3, vocab, (args.batch, args.prompt_length), generator=torch.Generator().manual_seed(0)).to(
+        device
+    )
     mask = torch.ones_like(ids)
     sampling = {"do_sample": True, "seed": 0} if args.sample else {}
     systems = {
-        "base": lambda: base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                                      min_new_tokens=args.new_tokens, do_sample=args.sample),
+        "base": lambda: base.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            do_sample=args.sample,
+        ),
         "full": lambda: lm.generate(ids, mask, max_new_tokens=args.new_tokens, eos_token_id=[], **sampling),
-        "full+spec": lambda: lm.generate(ids, mask, max_new_tokens=args.new_tokens, eos_token_id=[], draft="merged",
-                                         num_draft_tokens=args.draft_tokens, **sampling),
+        "full+spec": lambda: lm.generate(
+            ids,
+            mask,
+            max_new_tokens=args.new_tokens,
+            eos_token_id=[],
+            draft="merged",
+            num_draft_tokens=args.draft_tokens,
+            **sampling,
+        ),
     }
     _sync(device)
     started = time.perf_counter()
@@ -136,9 +169,16 @@ def main(argv=None) -> int:
     result = {
         "benchmark": "decode_gpu_gemma",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else args.device,
-        "dtype": args.dtype, "tiny": args.tiny, "parameters": base.num_parameters(), "noise": args.noise,
-        "batch": args.batch, "prompt_length": args.prompt_length, "new_tokens": args.new_tokens,
-        "draft_tokens": args.draft_tokens, "decoding": "sample" if args.sample else "greedy", "repeats": args.repeats,
+        "dtype": args.dtype,
+        "tiny": args.tiny,
+        "parameters": base.num_parameters(),
+        "noise": args.noise,
+        "batch": args.batch,
+        "prompt_length": args.prompt_length,
+        "new_tokens": args.new_tokens,
+        "draft_tokens": args.draft_tokens,
+        "decoding": "sample" if args.sample else "greedy",
+        "repeats": args.repeats,
         "tokens_per_second": {name: round(value, 2) for name, value in speed.items()},
         "spec_over_full": round(speed["full+spec"] / speed["full"], 3),
         "spec_over_base": round(speed["full+spec"] / speed["base"], 3),
@@ -147,8 +187,11 @@ def main(argv=None) -> int:
         "tokens_per_round": round(statistics.mean(run["tokens_per_round"] for run in acceptance), 3),
         "greedy_outputs_equal": None if args.sample else bool(torch.equal(full, spec)),
         "tokens_equal_before_first_difference": None if args.sample else agree.tolist(),
-        "build_seconds": round(build_seconds, 1), "merge_seconds": round(merge_seconds, 2),
-        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
+        "build_seconds": round(build_seconds, 1),
+        "merge_seconds": round(merge_seconds, 2),
+        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        if device.type == "cuda"
+        else None,
     }
     print(json.dumps(result))
     write_results(result, args.out)

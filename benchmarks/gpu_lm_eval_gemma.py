@@ -8,11 +8,11 @@ weights are random). Nothing is downloaded: every model, the tokenizer and the t
   expert:a/b   full checkpoints: the base plus small seeded Gaussian noise (`--noise`, absolute)
   compose      `composed`: the base and both full experts, one KV cache each
   merge:task_arithmetic
-               λ = 1, `--merge paper` (default: `merge_definitions: paper`, `merging.merge` in memory
+               λ = 1, `--merge paper` (default: `merge_definitions: paper`, `mergecompose.merging.merge` in memory
                on the host, then saved), `--merge mergekit` (mergekit's `merge_checkpoints`, run on
                the compare's device) or `--merge none`
 
-The tokenizer (`analysis.data.char_tokenizer`) has one character per id: <pad>, <eos>, <bos>, <unk>
+The tokenizer (`mergecompose.analysis.data.char_tokenizer`) has one character per id: <pad>, <eos>, <bos>, <unk>
 at Gemma's ids 0–3, then ASCII letters, digits, space, then code points from U+4E00 on (no
 surrogates). A word-level vocabulary does not do: transformers' `StopStringCriteria`, which the
 composed model runs for lm-eval's stop strings, reads every token's text through the tokenizer
@@ -24,7 +24,7 @@ Tasks (`dataset_path: json`, absolute `data_files`):
                      generates the full length unless it draws <eos>
   gemma_rand_choice  multiple_choice: the same kind of prompts, 4 choices of 8 random tokens
 
-The compare (`tasks.compare.run_compare` on the YAML this script writes; device, dtype, batch
+The compare (`mergecompose.experiments.compare.run_compare` on the YAML this script writes; device, dtype, batch
 size as given) runs with torch's own thread count, in `WORK/run_<merge>`. Reported: wall seconds
 of the checkpoint build and of the compare (with its own stage timings), each system's seconds
 and peak GPU memory (`torch.cuda.max_memory_allocated`, reset when the system's model is loaded),
@@ -52,7 +52,7 @@ tokens, 32 new tokens, batch 8):
 | base / expert:a / expert:b / merge (`hf`, load + both tasks) | 10.2 / 7.2 / 6.7 / 7.0 | 5.79 (≤ 8.85) |
 | compose (`composed`, base + 2 full experts, load + both tasks) | 23.5 | 19.04 (20.57) |
 | whole mergekit run (build, compare, 10 cells) | 85.5 | nvidia-smi peak 21,763 MiB |
-| paper task arithmetic (`merging.merge` on the host) | 34.0 | host peak RSS 61.8 GiB |
+| paper task arithmetic (`mergecompose.merging.merge` on the host) | 34.0 | host peak RSS 61.8 GiB |
 | paper run (reused checkpoints and 8 cells, 2 cells evaluated) | 46.1 | 5.79 |
 
 The paper merge's host memory is about 25 bytes per parameter (float32 task vectors and
@@ -79,19 +79,24 @@ from pathlib import Path
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import lm_eval
 import torch
 import transformers
 import yaml
 from transformers import AutoModelForCausalLM, Gemma2Config, PreTrainedTokenizerFast
 
-import lm_eval
-from analysis.data import char_tokenizer
 from benchmarks.decode import model_config as decode_config
-from tasks.compare import run_compare
-from tasks.config import load_config
-from tasks.lm_eval import run as lm_eval_run  # importing it registers the `lm_eval` compare kind
+from mergecompose.analysis.data import char_tokenizer
+from mergecompose.experiments.compare import run_compare
+from mergecompose.experiments.config import load_config
+from mergecompose.experiments.lm_eval import run as lm_eval_run  # importing it registers the `lm_eval` compare kind
 
-GEMMA_SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}  # ids 0, 1, 2, 3
+GEMMA_SPECIAL_TOKENS = {
+    "pad_token": "<pad>",
+    "eos_token": "<eos>",
+    "bos_token": "<bos>",
+    "unk_token": "<unk>",
+}  # ids 0, 1, 2, 3
 ASCII = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 "
 NEVER = "zyxwvutsrq"  # the stop string: ten given ASCII characters in a row practically never come out
 GENERATE_TASK, CHOICE_TASK = "gemma_rand_gen", "gemma_rand_choice"
@@ -103,25 +108,43 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=None, help="override the number of layers")
     parser.add_argument("--vocab", type=int, default=None, help="override the vocabulary size")
     parser.add_argument("--device", default=None, help="default: cuda, or cpu with --tiny")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="default: bfloat16, or float32 with --tiny")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="default: bfloat16, or float32 with --tiny",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-gen-toks", type=int, default=32)
     parser.add_argument("--noise", type=float, default=0.002, help="std of the experts' Gaussian perturbation")
     parser.add_argument("--merge", default="paper", choices=["paper", "mergekit", "none"])
-    parser.add_argument("--work", default=None, help="folder for checkpoints, tasks and the run (default: a temporary one, deleted)")
-    parser.add_argument("--copy-to", default=os.environ.get("OUT"), help="copy results.json/.md and summary.json here (default: $OUT)")
+    parser.add_argument(
+        "--work", default=None, help="folder for checkpoints, tasks and the run (default: a temporary one, deleted)"
+    )
+    parser.add_argument(
+        "--copy-to", default=os.environ.get("OUT"), help="copy results.json/.md and summary.json here (default: $OUT)"
+    )
     return parser
 
 
 def model_config(args) -> Gemma2Config:
     if args.tiny:
         config = Gemma2Config(
-            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=32, max_position_embeddings=512, sliding_window=256,
-            bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.02,
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            max_position_embeddings=512,
+            sliding_window=256,
+            bos_token_id=2,
+            eos_token_id=1,
+            pad_token_id=0,
+            initializer_range=0.02,
         )
     else:
         config = decode_config(argparse.Namespace(arch="gemma2-2b"))  # google/gemma-2-2b's shape
@@ -174,7 +197,9 @@ def build_checkpoints(args, config: Gemma2Config, folder: Path) -> dict:
         generator = torch.Generator(device=device).manual_seed(100 + index)
         with torch.no_grad():
             for parameter in expert.parameters():
-                parameter.add_(torch.randn(parameter.shape, generator=generator, device=device, dtype=dtype), alpha=args.noise)
+                parameter.add_(
+                    torch.randn(parameter.shape, generator=generator, device=device, dtype=dtype), alpha=args.noise
+                )
         expert.save_pretrained(folder / f"expert_{name}")
         tokenizer.save_pretrained(folder / f"expert_{name}")
         paths[name] = folder / f"expert_{name}"
@@ -184,8 +209,12 @@ def build_checkpoints(args, config: Gemma2Config, folder: Path) -> dict:
     parameters = base.num_parameters()
     del base
     _free(device)
-    return {"paths": paths, "tokenizer": tokenizer, "parameters": parameters,
-            "timings": {key: round(value, 2) for key, value in timings.items()}}
+    return {
+        "paths": paths,
+        "tokenizer": tokenizer,
+        "parameters": parameters,
+        "timings": {key: round(value, 2) for key, value in timings.items()},
+    }
 
 
 def write_tasks(args, folder: Path, tokenizer) -> Path:
@@ -199,25 +228,37 @@ def write_tasks(args, folder: Path, tokenizer) -> Path:
         return tokenizer.decode(torch.randint(low, high, (length,), generator=generator).tolist())
 
     generate = [{"prompt": text(args.prompt_tokens), "target": text(8)} for _ in range(args.prompts)]
-    choice = [{"prompt": text(args.prompt_tokens), "choices": [text(8) for _ in range(4)], "label": index % 4}
-              for index in range(args.prompts)]
+    choice = [
+        {"prompt": text(args.prompt_tokens), "choices": [text(8) for _ in range(4)], "label": index % 4}
+        for index in range(args.prompts)
+    ]
     for name, rows in ((GENERATE_TASK, generate), (CHOICE_TASK, choice)):
-        (folder / f"{name}.jsonl").write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+        (folder / f"{name}.jsonl").write_text(
+            "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8"
+        )
     common = {"dataset_path": "json", "test_split": "test", "doc_to_text": "prompt", "target_delimiter": " "}
     configs = {
         GENERATE_TASK: {
-            "output_type": "generate_until", "doc_to_target": "target",
+            "output_type": "generate_until",
+            "doc_to_target": "target",
             "generation_kwargs": {"until": [NEVER], "max_gen_toks": args.max_gen_toks, "do_sample": False},
             "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
         },
         CHOICE_TASK: {
-            "output_type": "multiple_choice", "doc_to_choice": "choices", "doc_to_target": "label",
+            "output_type": "multiple_choice",
+            "doc_to_choice": "choices",
+            "doc_to_target": "label",
             "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
         },
     }
     for name, config in configs.items():
-        task = {"task": name, **common, "dataset_kwargs": {"data_files": {"test": str((folder / f"{name}.jsonl").resolve())}},
-                **config, "metadata": {"version": 1.0}}
+        task = {
+            "task": name,
+            **common,
+            "dataset_kwargs": {"data_files": {"test": str((folder / f"{name}.jsonl").resolve())}},
+            **config,
+            "metadata": {"version": 1.0},
+        }
         (tasks / f"{name}.yaml").write_text(yaml.safe_dump(task, sort_keys=False))
     return tasks
 
@@ -249,8 +290,13 @@ class GpuPoller:
         self.command = shutil.which("nvidia-smi")
 
     def _read(self) -> int | None:
-        output = subprocess.run([self.command, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                capture_output=True, text=True, timeout=10, check=True).stdout
+        output = subprocess.run(
+            [self.command, "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
         return max(int(line) for line in output.split())
 
     def _loop(self):
@@ -333,15 +379,40 @@ def main(argv=None) -> int:
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="gpu_lm_eval_gemma-"))
     work.mkdir(parents=True, exist_ok=True)
     summary = {
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "lm_eval": lm_eval.__version__,
-                    "transformers": transformers.__version__, "cpu_threads": torch.get_num_threads(),
-                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-        "device": args.device, "dtype": args.dtype, "batch_size": args.batch_size, "merge": args.merge,
-        "tasks": {GENERATE_TASK: {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "max_gen_toks": args.max_gen_toks},
-                  CHOICE_TASK: {"prompts": args.prompts, "prompt_tokens": args.prompt_tokens, "choices": 4, "choice_tokens": 8}},
-        "model": {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size, "layers": config.num_hidden_layers,
-                  "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-                  "intermediate_size": config.intermediate_size},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "lm_eval": lm_eval.__version__,
+            "transformers": transformers.__version__,
+            "cpu_threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        },
+        "device": args.device,
+        "dtype": args.dtype,
+        "batch_size": args.batch_size,
+        "merge": args.merge,
+        "tasks": {
+            GENERATE_TASK: {
+                "prompts": args.prompts,
+                "prompt_tokens": args.prompt_tokens,
+                "max_gen_toks": args.max_gen_toks,
+            },
+            CHOICE_TASK: {
+                "prompts": args.prompts,
+                "prompt_tokens": args.prompt_tokens,
+                "choices": 4,
+                "choice_tokens": 8,
+            },
+        },
+        "model": {
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size,
+            "layers": config.num_hidden_layers,
+            "heads": config.num_attention_heads,
+            "kv_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+            "intermediate_size": config.intermediate_size,
+        },
     }
     started = time.perf_counter()
     try:
@@ -355,8 +426,11 @@ def main(argv=None) -> int:
                 torch.cuda.reset_peak_memory_stats(device)
             size = sum(path.stat().st_size for path in (work / "checkpoints" / "base").glob("*.safetensors"))
             summary["model"]["checkpoint_gib"] = round(size / 2**30, 2)
-            print(f"checkpoints: {built['parameters'] / 1e6:.1f} M parameters, {size / 2**30:.2f} GiB each, "
-                  f"{'reused' if built['reused'] else 'built and saved'} in {summary['build']['wall_s']} s", flush=True)
+            print(
+                f"checkpoints: {built['parameters'] / 1e6:.1f} M parameters, {size / 2**30:.2f} GiB each, "
+                f"{'reused' if built['reused'] else 'built and saved'} in {summary['build']['wall_s']} s",
+                flush=True,
+            )
 
             tasks = write_tasks(args, work, built["tokenizer"])
             config_path = work / f"compare_{args.merge}.yaml"
@@ -371,8 +445,12 @@ def main(argv=None) -> int:
             stage = time.perf_counter()
             results = run_compare(compare, run_dir, progress=False, threads=None)
             _sync(device)
-            summary["compare"] = {"wall_s": round(time.perf_counter() - stage, 2), "stages": results["timings"],
-                                  "cells_evaluated": len(results["cells"]["evaluated"]), "cells_reused": len(results["cells"]["reused"])}
+            summary["compare"] = {
+                "wall_s": round(time.perf_counter() - stage, 2),
+                "stages": results["timings"],
+                "cells_evaluated": len(results["cells"]["evaluated"]),
+                "cells_reused": len(results["cells"]["reused"]),
+            }
             if device.type == "cuda":
                 peak.fold()  # the largest of every system's peak and the merges stage's
                 summary["compare"]["peak_allocated_gib"] = round(peak.allocated / 2**30, 2)
@@ -385,8 +463,10 @@ def main(argv=None) -> int:
             name: {"model": record["model"], "cells_s": record["seconds"], **systems.get(name, {"reused": True})}
             for name, record in results["systems"].items()
         }
-        summary["results"] = {name: {split: round(cell["value"], 4) for split, cell in record["splits"].items()}
-                              for name, record in results["systems"].items()}
+        summary["results"] = {
+            name: {split: round(cell["value"], 4) for split, cell in record["splits"].items()}
+            for name, record in results["systems"].items()
+        }
         summary["merges"] = {method: record["chosen"] for method, record in results["merges"].items()}
         print("\nsummary:\n" + json.dumps(summary, indent=1), flush=True)
         if args.copy_to:
@@ -410,8 +490,13 @@ def checkpoints(args, config: Gemma2Config, folder: Path) -> dict:
     if marker.is_file() and json.loads(marker.read_text()) == json.loads(json.dumps(settings)):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder / "base"))
         parameters = json.loads((folder / "parameters.json").read_text())
-        return {"paths": {key: folder / name for key, name in names.items()}, "tokenizer": tokenizer,
-                "parameters": parameters, "timings": {}, "reused": True}
+        return {
+            "paths": {key: folder / name for key, name in names.items()},
+            "tokenizer": tokenizer,
+            "parameters": parameters,
+            "timings": {},
+            "reused": True,
+        }
     if folder.exists():
         shutil.rmtree(folder)
     built = build_checkpoints(args, config, folder)

@@ -2,7 +2,7 @@
 
 The model is benchmarks.decode's (a seeded random Llama and two random rank-16 LoRA experts on
 every linear layer), saved to a temporary folder with a character tokenizer of the same
-vocabulary (`analysis.data.char_tokenizer`: 4 special tokens, then one character per id). The
+vocabulary (`mergecompose.analysis.data.char_tokenizer`: 4 special tokens, then one character per id). The
 task is a tiny local lm-eval `generate_until` task: `--prompts` prompts of `--prompt-length`
 random tokens, `max_gen_toks` = `--new-tokens`, greedy, and a stop string that never occurs, so
 every row generates the full length unless it draws EOS.
@@ -37,12 +37,12 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 from transformers import PreTrainedTokenizerFast
 
-from analysis.data import SPECIAL_TOKENS, char_tokenizer
+import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers `composed` with lm-eval)
 from benchmarks.decode import Workbench, _sync, add_workload_arguments
 from benchmarks.report import write_results
-import composition.lm_eval  # noqa: F401  (registers `composed` with lm-eval)
-from composition.io import markdown_table
-from composition.tiny import random_lora_adapter
+from mergecompose.analysis.data import SPECIAL_TOKENS, char_tokenizer
+from mergecompose.core.io import markdown_table
+from mergecompose.core.tiny import random_lora_adapter
 
 SYSTEMS = ["hf", "composed"]
 TASK = "throughput_generate_until"
@@ -77,7 +77,9 @@ def benchmark_characters(count: int) -> str:
     tokens; a word-level vocabulary ("w4" … "w8191") cannot encode it and fails there.
     """
     ascii_characters = string.ascii_letters + string.digits
-    return (ascii_characters + "".join(chr(0x4E00 + index) for index in range(max(0, count - len(ascii_characters)))))[:count]
+    return (ascii_characters + "".join(chr(0x4E00 + index) for index in range(max(0, count - len(ascii_characters)))))[
+        :count
+    ]
 
 
 def save_checkpoints(args, folder: Path) -> tuple[Path, list[Path], int]:
@@ -100,7 +102,9 @@ def save_checkpoints(args, folder: Path) -> tuple[Path, list[Path], int]:
 def write_task(args, folder: Path, tokenizer) -> Path:
     """A `generate_until` task of `args.prompts` random prompts in `folder`; returns the include path."""
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(len(SPECIAL_TOKENS), tokenizer.vocab_size, (args.prompts, args.prompt_length), generator=generator)
+    ids = torch.randint(
+        len(SPECIAL_TOKENS), tokenizer.vocab_size, (args.prompts, args.prompt_length), generator=generator
+    )
     rows = [{"text": tokenizer.decode(row), "target": ""} for row in ids.tolist()]
     data = folder / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
@@ -108,8 +112,8 @@ def write_task(args, folder: Path, tokenizer) -> Path:
     tasks.mkdir()
     (tasks / f"{TASK}.yaml").write_text(
         f"task: {TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data.resolve()}\n"
-        "test_split: test\noutput_type: generate_until\ndoc_to_text: \"{{text}}\"\ndoc_to_target: target\n"
-        f"generation_kwargs:\n  until: [\"{NEVER}\"]\n  max_gen_toks: {args.new_tokens}\n  do_sample: false\n"
+        'test_split: test\noutput_type: generate_until\ndoc_to_text: "{{text}}"\ndoc_to_target: target\n'
+        f'generation_kwargs:\n  until: ["{NEVER}"]\n  max_gen_toks: {args.new_tokens}\n  do_sample: false\n'
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
         "metadata:\n  version: 1.0\n"
     )
@@ -133,7 +137,12 @@ def evaluate(model, task_manager: TaskManager, tokenizer) -> tuple[float, int]:
     _sync(model.device)
     start = time.perf_counter()
     output = lm_eval.simple_evaluate(
-        model=model, tasks=[TASK], task_manager=task_manager, log_samples=True, bootstrap_iters=0, verbosity="ERROR",
+        model=model,
+        tasks=[TASK],
+        task_manager=task_manager,
+        log_samples=True,
+        bootstrap_iters=0,
+        verbosity="ERROR",
     )
     _sync(model.device)
     seconds = time.perf_counter() - start
@@ -158,8 +167,12 @@ def time_systems(models: dict, task_manager: TaskManager, tokenizer, repeats: in
         if len(set(tokens[name])) != 1:
             raise RuntimeError(f"{name} made a different number of tokens in each greedy run: {tokens[name]}")
         median = statistics.median(seconds[name])
-        rows[name] = {"seconds": median, "tokens": tokens[name][0], "tokens_per_second": tokens[name][0] / median,
-                      "all_seconds": seconds[name]}
+        rows[name] = {
+            "seconds": median,
+            "tokens": tokens[name][0],
+            "tokens_per_second": tokens[name][0] / median,
+            "all_seconds": seconds[name],
+        }
     return rows
 
 
@@ -174,12 +187,20 @@ def main(argv=None) -> int:
         base, experts, parameters = save_checkpoints(args, folder)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(base)
         task_manager = TaskManager(include_path=str(write_task(args, folder, tokenizer)), include_defaults=False)
-        results = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
-                   "device": args.device, "dtype": args.dtype, "parameters": parameters, "lm_eval": lm_eval.__version__,
-                   "args": vars(args), "batches": {}}
-        print(f"lm-eval generate_until benchmark: {parameters / 1e6:.1f} M parameters, {args.dtype} on {args.device}, "
-              f"{args.prompts} prompts of {args.prompt_length} tokens, up to {args.new_tokens} new tokens, "
-              f"median of {args.repeats}")
+        results = {
+            "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
+            "device": args.device,
+            "dtype": args.dtype,
+            "parameters": parameters,
+            "lm_eval": lm_eval.__version__,
+            "args": vars(args),
+            "batches": {},
+        }
+        print(
+            f"lm-eval generate_until benchmark: {parameters / 1e6:.1f} M parameters, {args.dtype} on {args.device}, "
+            f"{args.prompts} prompts of {args.prompt_length} tokens, up to {args.new_tokens} new tokens, "
+            f"median of {args.repeats}"
+        )
         for batch in args.batch_sizes:
             models = build_models(args, base, experts, batch)
             rows = time_systems(models, task_manager, tokenizer, args.repeats)
@@ -195,7 +216,14 @@ def main(argv=None) -> int:
 def print_table(results) -> None:
     names = {"hf": "lm-eval `hf`, base alone", "composed": "`composed`, base + 2 LoRA experts"}
     rows = [
-        [names[name], batch, row["tokens"], f"{row['seconds']:.2f}", f"{row['tokens_per_second']:.1f}", f"{row['ratio_to_hf']:.3f}"]
+        [
+            names[name],
+            batch,
+            row["tokens"],
+            f"{row['seconds']:.2f}",
+            f"{row['tokens_per_second']:.1f}",
+            f"{row['ratio_to_hf']:.3f}",
+        ]
         for batch, batch_rows in results["batches"].items()
         for name, row in batch_rows.items()
     ]

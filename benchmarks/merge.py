@@ -3,8 +3,8 @@
 Three random Llama checkpoints (a base and two experts = base + small noise) are saved as sharded
 safetensors. Each merge runs in its own fresh subprocess so that its peak RSS (VmHWM) is its own:
 
-  disk    `merging.merge_checkpoints` (mergekit's `run_merge`, lazy tensor loading), written to disk
-  memory  load the three models, `merging.merge("ties", ..., **MERGEKIT_MODE)`, save the result
+  disk    `mergecompose.merging.merge_checkpoints` (mergekit's `run_merge`, lazy tensor loading), written to disk
+  memory  load the three models, `mergecompose.merging.merge("ties", ..., **MERGEKIT_MODE)`, save the result
 
 The target: the on-disk merge's peak RSS ≤ 0.5 × the size of one input model.
 
@@ -25,10 +25,9 @@ import torch
 
 from benchmarks.memory import PeakSampler, peak_rss_mib
 from benchmarks.report import write_results
-from composition.io import markdown_table
-from composition.tiny import tiny_llama_config
-from merging import MERGEKIT_MODE, merge, merge_checkpoints
-
+from mergecompose.core.io import markdown_table
+from mergecompose.core.tiny import tiny_llama_config
+from mergecompose.merging import MERGEKIT_MODE, merge, merge_checkpoints
 
 OUT_SHARD_BYTES = 64 * 2**20
 
@@ -53,8 +52,12 @@ def make_checkpoints(args, workdir: Path) -> tuple[int, int]:
     from transformers import LlamaForCausalLM
 
     config = tiny_llama_config(
-        vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-        num_heads=max(1, args.hidden // 64), intermediate_size=args.intermediate, initializer_range=0.02,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=max(1, args.hidden // 64),
+        intermediate_size=args.intermediate,
+        initializer_range=0.02,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -80,7 +83,6 @@ def child(mode: str, workdir: Path, density: float) -> None:
     sampler = PeakSampler().__enter__()
     start = time.perf_counter()
     if mode == "disk":
-
         config = {
             "merge_method": "ties",
             "base_model": str(workdir / "base"),
@@ -100,7 +102,9 @@ def child(mode: str, workdir: Path, density: float) -> None:
 
         base = AutoModelForCausalLM.from_pretrained(workdir / "base")
         experts = [AutoModelForCausalLM.from_pretrained(workdir / f"expert_{i}") for i in range(2)]
-        merge("ties", base, experts, density=density, out_dir=workdir / "merged_memory", overwrite=True, **MERGEKIT_MODE)
+        merge(
+            "ties", base, experts, density=density, out_dir=workdir / "merged_memory", overwrite=True, **MERGEKIT_MODE
+        )
     seconds = time.perf_counter() - start
     sampler.__exit__(None, None, None)
     print(seconds, peak_rss_mib(), imports_rss, sampler.peaks["RssAnon"])
@@ -140,17 +144,35 @@ def main(argv=None) -> int:
         results["max_abs_difference_disk_vs_memory"] = max(
             (disk[name] - memory[name]).abs().max().item() for name in disk.keys() & memory.keys()
         )
-    print(f"TIES merge of 3 checkpoints, {parameters / 1e6:.0f} M parameters each ({results['model_mb']:.0f} MiB on disk)")
-    header = ["merge", "wall s", "peak RSS MiB", "RSS / model size", "RSS after imports", "peak anonymous RSS", "anon / model size"]
+    print(
+        f"TIES merge of 3 checkpoints, {parameters / 1e6:.0f} M parameters each ({results['model_mb']:.0f} MiB on disk)"
+    )
+    header = [
+        "merge",
+        "wall s",
+        "peak RSS MiB",
+        "RSS / model size",
+        "RSS after imports",
+        "peak anonymous RSS",
+        "anon / model size",
+    ]
     table = [
-        [mode, f"{row['seconds']:.1f}", f"{row['peak_rss_mb']:.0f}", f"{row['rss_over_model_size']:.2f}",
-         f"{row['rss_after_imports_mb']:.0f}", f"{row['peak_anonymous_rss_mb']:.0f}",
-         f"{row['peak_anonymous_rss_mb'] / results['model_mb']:.2f}"]
+        [
+            mode,
+            f"{row['seconds']:.1f}",
+            f"{row['peak_rss_mb']:.0f}",
+            f"{row['rss_over_model_size']:.2f}",
+            f"{row['rss_after_imports_mb']:.0f}",
+            f"{row['peak_anonymous_rss_mb']:.0f}",
+            f"{row['peak_anonymous_rss_mb'] / results['model_mb']:.2f}",
+        ]
         for mode, row in ((mode, results[mode]) for mode in ("disk", "memory"))
     ]
     print(markdown_table(header, table, pad=True))
     print(f"max |disk − memory| over all tensors: {results['max_abs_difference_disk_vs_memory']:.2e}")
-    print(f"target: disk peak RSS ≤ 0.5 × model size: {'met' if results['disk']['rss_over_model_size'] <= 0.5 else 'missed'}")
+    print(
+        f"target: disk peak RSS ≤ 0.5 × model size: {'met' if results['disk']['rss_over_model_size'] <= 0.5 else 'missed'}"
+    )
     write_results(results, args.out)
     return 0
 

@@ -26,19 +26,37 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config
 
-from analysis.data import SPECIAL_TOKENS, char_tokenizer
 from benchmarks.report import write_results
-from composition.io import markdown_table
-from composition.tiny import random_lora_adapter
-from composition.vllm_folder import build_vllm_model
+from mergecompose.analysis.data import SPECIAL_TOKENS, char_tokenizer
+from mergecompose.core.io import markdown_table
+from mergecompose.core.tiny import random_lora_adapter
+from mergecompose.integrations.vllm.folder import build_vllm_model
 
 GEMMA_2_2B = dict(
-    vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, sliding_window=4096,
-    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, query_pre_attn_scalar=256,
+    vocab_size=256000,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    max_position_embeddings=8192,
+    sliding_window=4096,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    query_pre_attn_scalar=256,
 )
-TINY = dict(GEMMA_2_2B, vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32)
+TINY = dict(
+    GEMMA_2_2B,
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    query_pre_attn_scalar=32,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile")
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer Gemma-2 in float32 on the CPU (a check of the script)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a 2-layer Gemma-2 in float32 on the CPU (a check of the script)"
+    )
     parser.add_argument("--out", default="benchmarks/results/vllm_gpu_gemma.json")
     return parser
 
@@ -58,8 +78,14 @@ def save_models(args) -> dict[str, Path]:
     """Base, two LoRA adapters, two full experts and the two composed folders under `args.workdir` (reused)."""
     folder = args.workdir
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    config = Gemma2Config(**(TINY if args.tiny else GEMMA_2_2B), pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                          initializer_range=0.02, dtype=dtype)
+    config = Gemma2Config(
+        **(TINY if args.tiny else GEMMA_2_2B),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.02,
+        dtype=dtype,
+    )
     if not (folder / "base" / "config.json").is_file():
         torch.manual_seed(0)
         base = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
@@ -86,8 +112,14 @@ def tokens_per_second(engine, args, batch: int, vocab: int) -> float:
     from vllm import SamplingParams
 
     generator = torch.Generator().manual_seed(batch)
-    prompts = [{"prompt_token_ids": torch.randint(len(SPECIAL_TOKENS), vocab, (args.prompt_length,), generator=generator).tolist()}
-               for _ in range(batch)]
+    prompts = [
+        {
+            "prompt_token_ids": torch.randint(
+                len(SPECIAL_TOKENS), vocab, (args.prompt_length,), generator=generator
+            ).tolist()
+        }
+        for _ in range(batch)
+    ]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     engine.generate(prompts, params, use_tqdm=False)  # warm-up
     _synchronize()
@@ -104,7 +136,9 @@ def _synchronize() -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: its memory is ours to read
+    os.environ.setdefault(
+        "VLLM_ENABLE_V1_MULTIPROCESSING", "0"
+    )  # the engine in this process: its memory is ours to read
     if args.tiny:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -116,12 +150,20 @@ def main(argv=None) -> int:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        engine = LLM(model=str(folder), dtype="float32" if args.tiny else "bfloat16", max_model_len=1024, seed=0,
-                     skip_tokenizer_init=True, enforce_eager=args.enforce_eager or args.tiny,
-                     **({} if args.tiny else {"gpu_memory_utilization": args.gpu_memory_utilization}))
+        engine = LLM(
+            model=str(folder),
+            dtype="float32" if args.tiny else "bfloat16",
+            max_model_len=1024,
+            seed=0,
+            skip_tokenizer_init=True,
+            enforce_eager=args.enforce_eager or args.tiny,
+            **({} if args.tiny else {"gpu_memory_utilization": args.gpu_memory_utilization}),
+        )
         weights = engine.apply_model(lambda model: sum(p.numel() * p.element_size() for p in model.parameters()))[0]
-        entry = {"weights_gib": weights / 2**30,
-                 "tokens_per_s": {batch: tokens_per_second(engine, args, batch, vocab) for batch in args.batches}}
+        entry = {
+            "weights_gib": weights / 2**30,
+            "tokens_per_s": {batch: tokens_per_second(engine, args, batch, vocab) for batch in args.batches},
+        }
         if torch.cuda.is_available():
             entry["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30  # KV cache included
         results["systems"][system] = entry
@@ -129,10 +171,21 @@ def main(argv=None) -> int:
         del engine
         gc.collect()
     base = results["systems"]["base"]["tokens_per_s"]
-    header = ["system", "weights (GiB)", "peak GPU memory (GiB)", *[f"tokens/s at batch {b} (× base)" for b in args.batches]]
-    rows = [[system, f"{entry['weights_gib']:.2f}", f"{entry.get('peak_gpu_memory_gib', float('nan')):.1f}",
-             *[f"{entry['tokens_per_s'][b]:.0f} ({entry['tokens_per_s'][b] / base[b]:.2f}×)" for b in args.batches]]
-            for system, entry in results["systems"].items()]
+    header = [
+        "system",
+        "weights (GiB)",
+        "peak GPU memory (GiB)",
+        *[f"tokens/s at batch {b} (× base)" for b in args.batches],
+    ]
+    rows = [
+        [
+            system,
+            f"{entry['weights_gib']:.2f}",
+            f"{entry.get('peak_gpu_memory_gib', float('nan')):.1f}",
+            *[f"{entry['tokens_per_s'][b]:.0f} ({entry['tokens_per_s'][b] / base[b]:.2f}×)" for b in args.batches],
+        ]
+        for system, entry in results["systems"].items()
+    ]
     print(markdown_table(header, rows))
     write_results(results, args.out)
     return 0

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from analysis.data import SPECIAL_TOKENS, char_tokenizer
 from benchmarks.lm_eval import benchmark_characters
 from benchmarks.report import write_results
-from composition.io import markdown_table
-from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
-from composition.vllm_folder import build_vllm_model
+from mergecompose.analysis.data import SPECIAL_TOKENS, char_tokenizer
+from mergecompose.core.io import markdown_table
+from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
+from mergecompose.integrations.vllm.folder import build_vllm_model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,12 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def save_models(args, folder: Path) -> dict[str, Path]:
     """The base (with a tokenizer) and the two compositions' model folders."""
-    config = tiny_llama_config(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                               num_heads=args.heads, initializer_range=0.05)
+    config = tiny_llama_config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        initializer_range=0.05,
+    )
     base = random_llama(config, seed=0)
     base.save_pretrained(folder / "base")
     char_tokenizer(benchmark_characters(args.vocab - len(SPECIAL_TOKENS))).save_pretrained(folder / "base")
-    loras = [random_lora_adapter(base, folder / f"lora_{index}", seed=10 + index, rank=8, scale=0.05) for index in range(2)]
+    loras = [
+        random_lora_adapter(base, folder / f"lora_{index}", seed=10 + index, rank=8, scale=0.05) for index in range(2)
+    ]
     fulls = []
     for index in range(2):
         random_llama(config, seed=20 + index).save_pretrained(folder / f"full_{index}")
@@ -71,8 +78,10 @@ def tokens_per_second(engine, args, batch: int) -> dict[str, float]:
     from vllm import SamplingParams
 
     generator = torch.Generator().manual_seed(batch)
-    prompts = [{"prompt_token_ids": torch.randint(len(SPECIAL_TOKENS), args.vocab, (16,), generator=generator).tolist()}
-               for _ in range(batch)]
+    prompts = [
+        {"prompt_token_ids": torch.randint(len(SPECIAL_TOKENS), args.vocab, (16,), generator=generator).tolist()}
+        for _ in range(batch)
+    ]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts, params, use_tqdm=False)  # warm-up
     wall, cpu = float("inf"), float("inf")
@@ -96,18 +105,37 @@ def main(argv=None) -> int:
             start = time.perf_counter()
             engine = LLM(model=str(folder), dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
             started = time.perf_counter() - start
-            results["systems"][system] = {"start_s": started,
-                                          "tokens_per_s": {batch: tokens_per_second(engine, args, batch) for batch in args.batches}}
+            results["systems"][system] = {
+                "start_s": started,
+                "tokens_per_s": {batch: tokens_per_second(engine, args, batch) for batch in args.batches},
+            }
             engine.llm_engine.engine_core.shutdown()
             del engine
             gc.collect()
     base = results["systems"]["base"]["tokens_per_s"]
-    rows = [[system, f"{values['start_s']:.0f}",
-             *[f"{values['tokens_per_s'][batch][clock]:.1f} ({values['tokens_per_s'][batch][clock] / base[batch][clock]:.2f}×)"
-               for clock in ("wall", "cpu") for batch in args.batches]]
-            for system, values in results["systems"].items()]
-    print(markdown_table(["system", "engine start (s)", *[f"tokens/s at batch {batch} (× base)" for batch in args.batches],
-                          *[f"tokens per CPU-s at batch {batch} (× base)" for batch in args.batches]], rows))
+    rows = [
+        [
+            system,
+            f"{values['start_s']:.0f}",
+            *[
+                f"{values['tokens_per_s'][batch][clock]:.1f} ({values['tokens_per_s'][batch][clock] / base[batch][clock]:.2f}×)"
+                for clock in ("wall", "cpu")
+                for batch in args.batches
+            ],
+        ]
+        for system, values in results["systems"].items()
+    ]
+    print(
+        markdown_table(
+            [
+                "system",
+                "engine start (s)",
+                *[f"tokens/s at batch {batch} (× base)" for batch in args.batches],
+                *[f"tokens per CPU-s at batch {batch} (× base)" for batch in args.batches],
+            ],
+            rows,
+        )
+    )
     write_results(results, args.out)
     return 0
 

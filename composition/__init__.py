@@ -1,9 +1,15 @@
 """Probability-space composition: log p̂ = log p_b + Σ_i w_i (log p_i − log p_b), renormalised."""
 
-from composition.model import ComposedLM
-from composition.remedies import ActivityGate, PlausibilityFilter, RemedySettings, TerminationRule, compose_with_remedies
-from composition.rule import compose_logprobs
-from composition.speculative import SpeculationStats, outcome_probabilities
+from mergecompose.composition.model import ComposedLM
+from mergecompose.composition.remedies import (
+    ActivityGate,
+    PlausibilityFilter,
+    RemedySettings,
+    TerminationRule,
+    compose_with_remedies,
+)
+from mergecompose.composition.rule import compose_logprobs
+from mergecompose.composition.speculative import SpeculationStats, outcome_probabilities
 
 __all__ = [
     "ActivityGate",

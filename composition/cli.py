@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from composition.cli_common import add_common_flags
-from composition import ComposedLM
-from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
+from mergecompose.composition import ComposedLM
+from mergecompose.core.cli_common import add_common_flags
+from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
 
 
 def add_commands(subparsers) -> None:
@@ -29,12 +29,19 @@ def run_demo(args) -> int:
             name: random_lora_adapter(base, Path(folder) / name, seed=args.seed + 1 + index)
             for index, name in enumerate(["expert_a", "expert_b"])
         }
-        composed = ComposedLM.from_adapters(random_llama(config, seed=args.seed), {k: str(v) for k, v in adapters.items()})
+        composed = ComposedLM.from_adapters(
+            random_llama(config, seed=args.seed), {k: str(v) for k, v in adapters.items()}
+        )
     prompts = torch.tensor([[0, 0, 5, 9, 14], [7, 3, 22, 40, 11]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     generated = composed.generate(prompts, mask, max_new_tokens=args.max_new_tokens, eos_token_id=2, pad_token_id=0)
     base_only = base.generate(
-        prompts, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=2, pad_token_id=0
+        prompts,
+        attention_mask=mask,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=False,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     if not args.quiet:
         print("Composed greedy decoding: tiny random Llama base + 2 random LoRA experts on one shared base copy")

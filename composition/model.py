@@ -35,12 +35,17 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from composition.adapters import TrainingFlags, check_adapter_names, load_adapters_on_base, merged_adapter_model
-from composition.remedies import compose_with_remedies
-from composition.rule import check_weights
-from composition.sources import check_model_source, source_kind
-from composition.speculative import SpeculationStats, merged_full_draft, merged_lora_draft, speculative_decode
-from composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
+from mergecompose.composition.remedies import compose_with_remedies
+from mergecompose.composition.rule import check_weights
+from mergecompose.composition.speculative import (
+    SpeculationStats,
+    merged_full_draft,
+    merged_lora_draft,
+    speculative_decode,
+)
+from mergecompose.composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
+from mergecompose.core.adapters import TrainingFlags, check_adapter_names, load_adapters_on_base, merged_adapter_model
+from mergecompose.core.sources import check_model_source, source_kind
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +89,9 @@ def as_token_ids(value, name: str = "input_ids") -> torch.Tensor:
                 f"could not convert the list: {error}"
             ) from None
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"`{name}` must be a (batch, seq) torch.Tensor of token ids (or a list of lists), got {type(value).__name__}")
+        raise TypeError(
+            f"`{name}` must be a (batch, seq) torch.Tensor of token ids (or a list of lists), got {type(value).__name__}"
+        )
     if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
         raise TypeError(f"`{name}` must hold integer token ids, got dtype {value.dtype}")
     if value.dim() != 2 or value.numel() == 0:
@@ -98,9 +105,13 @@ def as_mask(value, shape: tuple, name: str = "attention_mask") -> torch.Tensor:
         try:
             value = torch.tensor(value)
         except (TypeError, ValueError, RuntimeError) as error:
-            raise ValueError(f"`{name}` must be a tensor or a list of equal-length lists of 0/1; could not convert it: {error}") from None
+            raise ValueError(
+                f"`{name}` must be a tensor or a list of equal-length lists of 0/1; could not convert it: {error}"
+            ) from None
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"`{name}` must be a torch.Tensor of 0s and 1s (or a list of lists), got {type(value).__name__}")
+        raise TypeError(
+            f"`{name}` must be a torch.Tensor of 0s and 1s (or a list of lists), got {type(value).__name__}"
+        )
     if tuple(value.shape) != tuple(shape):
         raise ValueError(f"`{name}` must have the shape of `input_ids` {tuple(shape)}, got {tuple(value.shape)}")
     invalid = (value != 0) & (value != 1)
@@ -260,7 +271,7 @@ class ComposedLM:
 
     At every position, `log p̂ = log p_b + Σ_i w_i (log p_i − log p_b)`, renormalised
     (Kumar, Bucarelli & Natale, 2026; see `compose_logprobs`). Optional `remedies`
-    (`ActivityGate`, `PlausibilityFilter`, `TerminationRule` from `composition.remedies`) change
+    (`ActivityGate`, `PlausibilityFilter`, `TerminationRule` from `mergecompose.composition.remedies`) change
     the rule at every step; see `compose_with_remedies`.
 
     `close()`, or leaving a `with ComposedLM...(...) as lm:` block, gives the models back as
@@ -331,7 +342,7 @@ class ComposedLM:
         remedies: Sequence[object] = (),
         *,
         names: Sequence[str] | None = None,
-    ) -> "ComposedLM":
+    ) -> ComposedLM:
         """Load several peft LoRA adapters onto one copy of `base_model`.
 
         `adapters` maps a name to an adapter folder, a hub id, or a `PeftModel` whose active
@@ -347,9 +358,7 @@ class ComposedLM:
         "peft" for what it does not support (DoRA, LoRA on embeddings).
         """
         if not isinstance(adapters, Mapping) or len(adapters) == 0:
-            raise ValueError(
-                f"`adapters` must be a non-empty mapping of name -> adapter, got {adapters!r}"
-            )
+            raise ValueError(f"`adapters` must be a non-empty mapping of name -> adapter, got {adapters!r}")
         if names is not None and _check_names(names, len(adapters)) != list(adapters):
             raise ValueError(
                 f"`names` must be left out or equal the keys of `adapters` in order, {list(adapters)}, "
@@ -382,7 +391,7 @@ class ComposedLM:
         names: Sequence[str] | None = None,
         lora_implementation: str = "stacked",
         **model_kwargs,
-    ) -> "ComposedLM":
+    ) -> ComposedLM:
         """Load a base and experts from local folders or hub ids.
 
         An expert folder with `adapter_config.json` is a peft adapter; anything else is a full
@@ -410,7 +419,11 @@ class ComposedLM:
         tokenizer = _try_load_tokenizer(base)
         if all(is_adapter):
             return cls.from_adapters(
-                base_model, dict(zip(names, experts)), weights, tokenizer, lora_implementation=lora_implementation,
+                base_model,
+                dict(zip(names, experts)),
+                weights,
+                tokenizer,
+                lora_implementation=lora_implementation,
                 remedies=remedies,
             )
         expert_models, tokenizers = [], [tokenizer]
@@ -452,7 +465,7 @@ class ComposedLM:
         self._merged_drafts = {}
         self._closed = True
 
-    def __enter__(self) -> "ComposedLM":
+    def __enter__(self) -> ComposedLM:
         self._check_open()
         return self
 
@@ -586,7 +599,7 @@ class ComposedLM:
         does) so that it fits, with a warning that says how many. The returned rows then start
         with the kept part of the prompt.
 
-        **Speculative decoding** (`composition.speculative`): with `draft`, a draft model proposes
+        **Speculative decoding** (`mergecompose.composition.speculative`): with `draft`, a draft model proposes
         `num_draft_tokens` = K tokens (default 4, fixed: K does not adapt), the components score
         all K+1 positions in one pass each, and the acceptance rule of Leviathan et al. (2023)
         keeps the output exactly that of decoding without a draft: greedy, token for token (up to
@@ -607,7 +620,9 @@ class ComposedLM:
         num_draft_tokens = self._check_draft(draft, num_draft_tokens, draft_lambda, draft_tokenizer)
         stop_criteria = _stop_criteria(stop_strings, self.tokenizer if tokenizer is None else tokenizer)
         if truncate and (position_ids is not None or generated_position_ids is not None):
-            raise ValueError("`truncate=True` needs the default positions; drop `position_ids` and `generated_position_ids`")
+            raise ValueError(
+                "`truncate=True` needs the default positions; drop `position_ids` and `generated_position_ids`"
+            )
         input_ids, attention_mask, position_ids = self._prepare(input_ids, attention_mask, position_ids)
         if truncate:
             input_ids, attention_mask, position_ids = self._truncate_prompt(input_ids, attention_mask, max_new_tokens)
@@ -646,12 +661,20 @@ class ComposedLM:
                 _SeparateModels([draft_model]),
                 lambda logits: compose_with_remedies(logits, self.weights, self.remedies, validate=do_sample),
                 (lambda scores: _warped_probabilities(warpers, scores)) if do_sample else None,
-                input_ids=input_ids, attention_mask=attention_mask,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
                 positions=torch.cat([position_ids, generated_position_ids], dim=1),
-                max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, pad_id=pad_id, eos_ids=eos_ids,
-                stop_criteria=stop_criteria, generator=generator,
+                max_new_tokens=max_new_tokens,
+                num_draft_tokens=num_draft_tokens,
+                pad_id=pad_id,
+                eos_ids=eos_ids,
+                stop_criteria=stop_criteria,
+                generator=generator,
                 holes=not any(_has_sliding_window(model) for model in [self.base_model, draft_model]),
-                bias_dtypes=(_bias_dtype(getattr(self.backend, "models", [self.base_model])), _bias_dtype([draft_model])),
+                bias_dtypes=(
+                    _bias_dtype(getattr(self.backend, "models", [self.base_model])),
+                    _bias_dtype([draft_model]),
+                ),
             )
             if invalid:
                 raise ValueError(_NAN_COMPOSITION)
@@ -690,7 +713,10 @@ class ComposedLM:
                 break
             step = length - prompt_length - 1  # index of the token just generated
             logits = self.backend.forward(
-                next_tokens[:, None], full_mask[:, :length], generated_position_ids[:, step : step + 1], cache,
+                next_tokens[:, None],
+                full_mask[:, :length],
+                generated_position_ids[:, step : step + 1],
+                cache,
                 logits_to_keep=1,
             )
         if invalid:
@@ -703,7 +729,7 @@ class ComposedLM:
         """The task-arithmetic merge of this composition's experts, θ_b + Σ_i λ_i (θ_i − θ_b), as a model.
 
         λ_i defaults to the composition's weights w_i. Full experts are merged tensor by tensor
-        (`composition.speculative.merged_full_draft`); LoRA experts add λ_i ΔW_i to a copy of the
+        (`mergecompose.composition.speculative.merged_full_draft`); LoRA experts add λ_i ΔW_i to a copy of the
         base (`merged_lora_draft`). Tensors the merge leaves unchanged are shared with the base.
         Built once per λ and kept until `close()`."""
         self._check_open()
@@ -719,23 +745,38 @@ class ComposedLM:
     def _check_draft(self, draft, num_draft_tokens, draft_lambda, draft_tokenizer) -> int:
         """Check the speculative-decoding arguments before any work; return K."""
         if draft is None:
-            given = [name for name, value in [("num_draft_tokens", num_draft_tokens), ("draft_lambda", draft_lambda),
-                                              ("draft_tokenizer", draft_tokenizer)] if value is not None]
+            given = [
+                name
+                for name, value in [
+                    ("num_draft_tokens", num_draft_tokens),
+                    ("draft_lambda", draft_lambda),
+                    ("draft_tokenizer", draft_tokenizer),
+                ]
+                if value is not None
+            ]
             if given:
                 raise ValueError(f"`{given[0]}` needs a draft; pass `draft='merged'` or a draft model, or leave it out")
             return 0
         if num_draft_tokens is None:
             num_draft_tokens = DEFAULT_DRAFT_TOKENS
         if not _is_integer(num_draft_tokens) or num_draft_tokens < 1:
-            raise ValueError(f"`num_draft_tokens` must be an integer >= 1 (tokens drafted a round), got {num_draft_tokens!r}")
+            raise ValueError(
+                f"`num_draft_tokens` must be an integer >= 1 (tokens drafted a round), got {num_draft_tokens!r}"
+            )
         if isinstance(draft, str):
             if draft != "merged":
-                raise ValueError(f"`draft` must be None, 'merged' or a causal LM with the composition's vocabulary, got {draft!r}")
+                raise ValueError(
+                    f"`draft` must be None, 'merged' or a causal LM with the composition's vocabulary, got {draft!r}"
+                )
             if draft_tokenizer is not None:
-                raise ValueError("`draft_tokenizer` is for a draft model; draft='merged' has the composition's tokenizer")
+                raise ValueError(
+                    "`draft_tokenizer` is for a draft model; draft='merged' has the composition's tokenizer"
+                )
             if draft_lambda is not None and not (
-                isinstance(draft_lambda, (Sequence, torch.Tensor)) and not isinstance(draft_lambda, (str, bytes))
-                and len(draft_lambda) == self.num_experts and all(_is_number(x) and math.isfinite(x) for x in draft_lambda)
+                isinstance(draft_lambda, (Sequence, torch.Tensor))
+                and not isinstance(draft_lambda, (str, bytes))
+                and len(draft_lambda) == self.num_experts
+                and all(_is_number(x) and math.isfinite(x) for x in draft_lambda)
             ):
                 raise ValueError(
                     f"`draft_lambda` must hold one finite λ_i per expert ({self.num_experts}), got {draft_lambda!r}"
@@ -754,9 +795,7 @@ class ComposedLM:
 
     def _check_draft_model(self, draft, draft_lambda, draft_tokenizer) -> None:
         if not isinstance(draft, torch.nn.Module) or not hasattr(draft, "get_output_embeddings"):
-            raise TypeError(
-                f"`draft` must be None, 'merged' or a transformers causal LM, got {type(draft).__name__}"
-            )
+            raise TypeError(f"`draft` must be None, 'merged' or a transformers causal LM, got {type(draft).__name__}")
         if draft_lambda is not None:
             raise ValueError("`draft_lambda` sets the λ_i of draft='merged'; a draft model is used as given")
         parameter = next(draft.parameters(), None)
@@ -773,7 +812,9 @@ class ComposedLM:
         if draft_tokenizer is not None and self.tokenizer is not None:
             difference = _vocab_difference(draft_tokenizer, self.tokenizer)
             if difference:
-                raise ValueError(f"`draft_tokenizer` must be the composition's tokenizer, got one that differs: {difference}")
+                raise ValueError(
+                    f"`draft_tokenizer` must be the composition's tokenizer, got one that differs: {difference}"
+                )
 
     # ------------------------------------------------------------------ helpers
 
@@ -840,7 +881,8 @@ class ComposedLM:
         if eos_token_id is not None:
             eos_list = [eos_token_id] if _is_integer(eos_token_id) else eos_token_id
             if (
-                isinstance(eos_list, (str, bytes)) or not isinstance(eos_list, Sequence)
+                isinstance(eos_list, (str, bytes))
+                or not isinstance(eos_list, Sequence)
                 or not all(_is_integer(i) and 0 <= i < vocabulary for i in eos_list)
             ):
                 raise ValueError(
@@ -875,7 +917,7 @@ def _check_left_padded(attention_mask: torch.Tensor) -> None:
         raise ValueError("`attention_mask` has a row with no tokens; every prompt needs at least one")
 
 
-def _stop_criteria(stop_strings, tokenizer) -> "StopStringCriteria | DecodedStops | None":
+def _stop_criteria(stop_strings, tokenizer) -> StopStringCriteria | DecodedStops | None:
     """transformers' stop-string matcher for `stop_strings`, or None when there are none."""
     if stop_strings is None:
         return None
@@ -984,7 +1026,7 @@ def _check_names(names, num_experts: int) -> list[str]:
 
 
 def _check_weights(weights, num_experts: int) -> list[float] | None:
-    """One finite float per expert (`composition.rule.check_weights`)."""
+    """One finite float per expert (`mergecompose.composition.rule.check_weights`)."""
     return check_weights(weights, num_experts)
 
 
@@ -996,13 +1038,14 @@ def _check_tokenizers(tokenizers, n_components: int):
         return tokenizers
     if len(tokenizers) != n_components:
         raise ValueError(
-            f"`tokenizers` must hold one tokenizer per component ({n_components}, base first), "
-            f"got {len(tokenizers)}"
+            f"`tokenizers` must hold one tokenizer per component ({n_components}, base first), got {len(tokenizers)}"
         )
     for index, tokenizer in enumerate(tokenizers[1:]):
         difference = _vocab_difference(tokenizer, tokenizers[0])
         if difference:
-            raise ValueError(f"tokenizer mismatch: the tokenizer of expert {index} differs from the base's: {difference}")
+            raise ValueError(
+                f"tokenizer mismatch: the tokenizer of expert {index} differs from the base's: {difference}"
+            )
     return tokenizers[0]
 
 
@@ -1019,7 +1062,7 @@ def is_adapter_source(source: str | os.PathLike, argument: str = "source") -> bo
     """True if `source` (a local folder or hub id) holds a peft adapter rather than a full model.
 
     A missing local folder, or one that is neither, raises a ValueError naming `argument`
-    (`composition.sources.source_kind`).
+    (`mergecompose.core.sources.source_kind`).
     """
     return source_kind(source, argument) == "adapter"
 

@@ -26,8 +26,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from composition.io import validation_message
-from composition.rule import check_scores, check_weights, compose_logprobs
+from mergecompose.composition.rule import check_scores, check_weights, compose_logprobs
+from mergecompose.core.io import validation_message
 
 
 def _check_threshold(value, name: str) -> None:
@@ -110,7 +110,9 @@ class TerminationRule:
             raise ValueError(f"`source` must be 'base' or 'active', got {self.source!r}")
         _check_threshold(self.threshold, "threshold")
         if not self.eos_ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.eos_ids):
-            raise ValueError(f"`eos_token_id` must be a token id >= 0 or a non-empty list of them, got {self.eos_token_id!r}")
+            raise ValueError(
+                f"`eos_token_id` must be a token id >= 0 or a non-empty list of them, got {self.eos_token_id!r}"
+            )
 
     @property
     def eos_ids(self) -> list:
@@ -147,7 +149,11 @@ def compose_with_remedies(
     if not isinstance(components, torch.Tensor) or components.dim() < 2:
         raise ValueError(
             "`components` must be a (k+1, ..., V) tensor of logits or log-probs, base first, got "
-            + (f"shape {tuple(components.shape)}" if isinstance(components, torch.Tensor) else type(components).__name__)
+            + (
+                f"shape {tuple(components.shape)}"
+                if isinstance(components, torch.Tensor)
+                else type(components).__name__
+            )
         )
     weights = check_weights(weights, components.shape[0] - 1)
     if validate:
@@ -157,9 +163,7 @@ def compose_with_remedies(
     terminations = [r for r in remedies if isinstance(r, TerminationRule)]
     unknown = [r for r in remedies if not isinstance(r, (ActivityGate, PlausibilityFilter, TerminationRule))]
     if unknown:
-        raise ValueError(
-            f"unknown remedy {unknown[0]!r}; allowed: ActivityGate, PlausibilityFilter, TerminationRule"
-        )
+        raise ValueError(f"unknown remedy {unknown[0]!r}; allowed: ActivityGate, PlausibilityFilter, TerminationRule")
     if len(terminations) > 1:
         raise ValueError(f"at most one TerminationRule can be given, got {len(terminations)}")
     components = torch.log_softmax(components.float(), dim=-1)  # (k+1, ..., V)
@@ -224,14 +228,19 @@ class RemedySettings(BaseModel):
 
     @model_validator(mode="after")
     def _something(self):
-        if self.gate is None and self.plausibility_alpha is None and self.plausibility_top_p is None and self.termination is None:
+        if (
+            self.gate is None
+            and self.plausibility_alpha is None
+            and self.plausibility_top_p is None
+            and self.termination is None
+        ):
             raise ValueError(
                 "a remedy set needs at least one of `gate`, `plausibility_alpha`, `plausibility_top_p`, `termination`"
             )
         return self
 
     @classmethod
-    def parse(cls, text: str) -> "RemedySettings":
+    def parse(cls, text: str) -> RemedySettings:
         """The string form used where a mapping cannot go (lm-eval's `model_args`):
         `name:value` pairs of these fields joined by `;`, e.g. `gate:0.1;termination:base`."""
         values: dict[str, str] = {}
@@ -248,12 +257,14 @@ class RemedySettings(BaseModel):
             raise ValueError(f"`remedies` {text!r}: {validation_message(error)}") from None
 
     def build(self, eos_token_id: int) -> list:
-        """The `composition.remedies` objects, for `ComposedLM(..., remedies=...)`."""
+        """The `mergecompose.composition.remedies` objects, for `ComposedLM(..., remedies=...)`."""
         remedies: list = []
         if self.gate is not None:
             remedies.append(ActivityGate(self.gate))
         if self.plausibility_alpha is not None or self.plausibility_top_p is not None:
             remedies.append(PlausibilityFilter(alpha=self.plausibility_alpha, top_p=self.plausibility_top_p))
         if self.termination is not None:
-            remedies.append(TerminationRule(eos_token_id, source=self.termination, threshold=self.termination_threshold))
+            remedies.append(
+                TerminationRule(eos_token_id, source=self.termination, threshold=self.termination_threshold)
+            )
         return remedies

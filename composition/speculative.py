@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from peft.tuners.lora.layer import LoraLayer
 
-from composition.adapters import load_adapters_on_base
+from mergecompose.core.adapters import load_adapters_on_base
 
 # ---------------------------------------------------------------------------------- the rule
 
@@ -118,12 +118,14 @@ def round_tokens(draft_tokens: torch.Tensor, accepted: torch.Tensor, next_tokens
 
 
 def task_arithmetic_state_dict(
-    base_state: Mapping[str, torch.Tensor], expert_states: Sequence[Mapping[str, torch.Tensor]], lambdas: Sequence[float]
+    base_state: Mapping[str, torch.Tensor],
+    expert_states: Sequence[Mapping[str, torch.Tensor]],
+    lambdas: Sequence[float],
 ) -> dict[str, torch.Tensor]:
     """θ = θ_b + Σ_i λ_i (θ_i − θ_b) for every floating tensor; other tensors are the base's.
 
     Computed in float32 (float64 for a float64 tensor) and cast back to the base's dtype, as
-    `merging.merge("task_arithmetic", ..., weights=λ, lam=1)` computes it (pinned in the tests).
+    `mergecompose.merging.merge("task_arithmetic", ..., weights=λ, lam=1)` computes it (pinned in the tests).
     Tensors tied in the base (one storage under two names) are merged once and stay shared.
     Raises a ValueError naming the expert and the tensor if the experts' names or shapes differ.
     """
@@ -268,8 +270,14 @@ def attention_bias(mask: torch.Tensor, first: int, dtype: torch.dtype) -> torch.
     tokens then costs 1.1 passes over one instead of 1.3)."""
     columns = mask.shape[1]
     keys = torch.arange(columns, device=mask.device)
-    allowed = (keys <= torch.arange(first, columns, device=mask.device).unsqueeze(1)) & mask.bool().unsqueeze(1)  # (B, q, C)
-    return torch.zeros(allowed.shape, dtype=dtype, device=mask.device).masked_fill_(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+    allowed = (keys <= torch.arange(first, columns, device=mask.device).unsqueeze(1)) & mask.bool().unsqueeze(
+        1
+    )  # (B, q, C)
+    return (
+        torch.zeros(allowed.shape, dtype=dtype, device=mask.device)
+        .masked_fill_(~allowed, torch.finfo(dtype).min)
+        .unsqueeze(1)
+    )
 
 
 def _new_cache(backend):
@@ -345,7 +353,9 @@ def speculative_decode(
     column_positions = torch.zeros((batch, width), dtype=positions.dtype, device=device)
     column_positions[:, :prompt_length] = positions[:, :prompt_length]
     # The output, with room for one round past the end (writes there are dropped).
-    output = torch.full((batch, prompt_length + max_new_tokens + num_draft_tokens + 1), pad_id, dtype=input_ids.dtype, device=device)
+    output = torch.full(
+        (batch, prompt_length + max_new_tokens + num_draft_tokens + 1), pad_id, dtype=input_ids.dtype, device=device
+    )
     output[:, :prompt_length] = input_ids
     emitted = torch.zeros(batch, dtype=torch.long, device=device)
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
@@ -373,9 +383,11 @@ def speculative_decode(
         mask[:, start : start + count] = 1
         column_positions[:, start : start + count] = position_of(emitted.unsqueeze(1) + offsets[:count])
         draft_probabilities = []
-        for step in range(count):
+        for _step in range(count):
             logits = draft.forward(
-                tokens[:, draft_cached:columns], mask_for(draft_cached, bias_dtypes[1]), column_positions[:, draft_cached:columns],
+                tokens[:, draft_cached:columns],
+                mask_for(draft_cached, bias_dtypes[1]),
+                column_positions[:, draft_cached:columns],
                 draft_cache,
                 logits_to_keep=1,
             )[0, :, -1]  # (B, V)
@@ -385,7 +397,9 @@ def speculative_decode(
             else:
                 q = probabilities(torch.log_softmax(logits.float(), dim=-1).unsqueeze(1)).squeeze(1)  # (B, V)
                 if torch.isnan(q).any():
-                    raise ValueError("the draft produced NaN probabilities (NaN or +inf logits); check its weights and dtype")
+                    raise ValueError(
+                        "the draft produced NaN probabilities (NaN or +inf logits); check its weights and dtype"
+                    )
                 draft_probabilities.append(q)
                 proposed = torch.multinomial(q, 1, generator=generator).squeeze(1)  # (B,)
             tokens[:, columns] = proposed
@@ -393,7 +407,9 @@ def speculative_decode(
         stats.draft_passes += count
 
         logits = target.forward(
-            tokens[:, target_cached:columns], mask_for(target_cached, bias_dtypes[0]), column_positions[:, target_cached:columns],
+            tokens[:, target_cached:columns],
+            mask_for(target_cached, bias_dtypes[0]),
+            column_positions[:, target_cached:columns],
             target_cache,
             logits_to_keep=count + 1,
         )  # (k+1, B, count+1, V)
@@ -437,10 +453,16 @@ def speculative_decode(
 
         # One read from the device a round: the longest acceptance and what is left to do.
         still = unfinished & (emitted < max_new_tokens)
-        summary = torch.stack([
-            torch.where(active, accepted, 0).max(), torch.where(still, max_new_tokens - emitted, 0).max(),
-            active.sum(), tests.sum(), accepted_total, take.sum(),
-        ]).tolist()
+        summary = torch.stack(
+            [
+                torch.where(active, accepted, 0).max(),
+                torch.where(still, max_new_tokens - emitted, 0).max(),
+                active.sum(),
+                tests.sum(),
+                accepted_total,
+                take.sum(),
+            ]
+        ).tolist()
         longest, remaining, rows, tested, accepted_total, emitted_total = summary
         stats.rounds += 1
         stats.row_rounds += rows
@@ -480,7 +502,9 @@ def _stop_within(stop_criteria, output, prompt_length, emitted, new_tokens, take
         before = emitted[rows]  # tokens written before this round
         for count in before.unique().tolist():
             group = rows[before == count]
-            generated = torch.cat([output[group, prompt_length : prompt_length + count], new_tokens[group, : step + 1]], 1)
+            generated = torch.cat(
+                [output[group, prompt_length : prompt_length + count], new_tokens[group, : step + 1]], 1
+            )
             stopped = group[stop_criteria(generated, None)]
             take[stopped] = step + 1
             unfinished[stopped] = False

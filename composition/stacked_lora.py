@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-
 # Up to this many rows, a CPU linear is computed as W @ xᵀ (see `_linear_forward`).
 _FEW_ROWS = 64
 

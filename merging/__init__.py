@@ -4,35 +4,28 @@
 
 The defaults follow the papers (TIES: global trim, sign elected on the unweighted trimmed task
 vectors, disjoint mean by count; DARE: rescale by 1/(1 − p)); `MERGEKIT_MODE` and `PEFT_MODE`
-select the libraries' definitions. See `merging.registry` for the methods and `merging.settings`
-for their parameters. `train_model` (`merging.training`) is the one training loop, for full
-models and LoRA adapters alike.
+select the libraries' definitions. See `mergecompose.merging.registry` for the methods and `mergecompose.merging.settings`
+for their parameters. Training (`train_model`, `train_lora_expert`) lives on the ground floor, `mergecompose.core.training`.
 """
 
-from merging.checkpoints import CheckpointMergeConfig, merge_checkpoints
-from merging.lora import LoraTrainingConfig, combine_lora_adapters, lora_delta_weights, train_lora_expert
-from merging.merge import MERGEKIT_MODE, PEFT_MODE, merge
-from merging.registry import METHODS, register, validate_merge_params
-from merging.settings import MergeSettings
-from merging.task_vector import TaskVector
-from merging.training import OptimizerSettings, TrainingLog, train_model
+from mergecompose.merging.checkpoints import CheckpointMergeConfig, merge_checkpoints
+from mergecompose.merging.lora import combine_lora_adapters, lora_delta_weights
+from mergecompose.merging.merge import MERGEKIT_MODE, PEFT_MODE, merge
+from mergecompose.merging.registry import METHODS, register, validate_merge_params
+from mergecompose.merging.settings import MergeSettings
+from mergecompose.merging.task_vector import TaskVector
 
 __all__ = [
     "METHODS",
     "MERGEKIT_MODE",
     "PEFT_MODE",
     "CheckpointMergeConfig",
-    "LoraTrainingConfig",
     "MergeSettings",
-    "OptimizerSettings",
     "TaskVector",
-    "TrainingLog",
     "combine_lora_adapters",
     "lora_delta_weights",
     "merge",
     "merge_checkpoints",
     "register",
-    "train_lora_expert",
-    "train_model",
     "validate_merge_params",
 ]

@@ -6,7 +6,7 @@ norm; dare_ties does not normalise.
 
 Before mergekit runs, everything it would accept silently or report misleadingly is checked: a
 mergekit YAML's parameters by the same rules as our config (`check_mergekit_parameters`), each
-model folder (`composition.sources`: missing, an adapter, no config.json), and the local
+model folder (`mergecompose.core.sources`: missing, an adapter, no config.json), and the local
 checkpoints' tensors (`check_checkpoints`: shapes, float / integer kinds, NaN and inf). A merged
 model that comes out non-finite is not written.
 """
@@ -20,21 +20,21 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from safetensors import safe_open
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from safetensors import safe_open
 
-from composition.io import atomic_output_dir, read_yaml_mapping, refuse_existing, refuse_output_over_inputs
-from composition.sources import check_adapter_source, check_model_source, is_local
-from merging.io import SafetensorsCheckpoint
-from merging.merge import MERGEKIT_MODE
-from merging.registry import METHODS, mergekit_methods, validate_merge_params
-from merging.settings import MergeSettings, readable_error
-from merging.state_dicts import check_finite
+from mergecompose.core.io import atomic_output_dir, read_yaml_mapping, refuse_existing, refuse_output_over_inputs
+from mergecompose.core.sources import check_adapter_source, check_model_source, is_local
+from mergecompose.merging.io import SafetensorsCheckpoint
+from mergecompose.merging.merge import MERGEKIT_MODE
+from mergecompose.merging.registry import METHODS, mergekit_methods, validate_merge_params
+from mergecompose.merging.settings import MergeSettings, readable_error
+from mergecompose.merging.state_dicts import check_finite
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # On disk the definitions are mergekit's: these keywords are fixed to its values.
 _FIXED_ON_DISK = {**MERGEKIT_MODE, "sign_election": "mass"}
-# mergekit's parameter names -> ours (`merging.settings`); the others mergekit checks itself.
+# mergekit's parameter names -> ours (`mergecompose.merging.settings`); the others mergekit checks itself.
 _OUR_NAMES = {"weight": "weights", "lambda": "lam", "density": "density", "gamma": "gamma", "normalize": "normalize"}
 _ADAPTER_HINT = (
     "mergekit merges full checkpoints: give it on its base as `BASE+ADAPTER` (mergekit's syntax), or save "
@@ -60,7 +60,7 @@ class CheckpointMergeConfig(BaseModel):
         density: 0.2
         lam: 1.0
 
-    `method` is one mergekit runs (`merging.registry.mergekit_methods()`); the other keys are
+    `method` is one mergekit runs (`mergecompose.merging.registry.mergekit_methods()`); the other keys are
     the method's parameters, validated by its settings model (`METHODS[method].settings`) when
     the config is.
     """
@@ -103,14 +103,18 @@ class CheckpointMergeConfig(BaseModel):
         parameters = dict(self.model_extra)
         for name, value in parameters.items():
             if name == "weights":
-                raise ValueError("`weights` are given per expert (`experts: [{path: ..., weight: ...}]`), not as a list")
+                raise ValueError(
+                    "`weights` are given per expert (`experts: [{path: ..., weight: ...}]`), not as a list"
+                )
             if name in _FIXED_ON_DISK and value != _FIXED_ON_DISK[name]:
                 raise ValueError(
                     f"`{name}` is {_FIXED_ON_DISK[name]!r} on disk (mergekit's definition), got {value!r}; "
-                    "merge in memory (`merging.merge`) for the other definitions"
+                    "merge in memory (`mergecompose.merging.merge`) for the other definitions"
                 )
         weights = [expert.weight for expert in self.experts]
-        return validate_merge_params(self.method, {**parameters, **MERGEKIT_MODE, "weights": weights}, count=len(weights))
+        return validate_merge_params(
+            self.method, {**parameters, **MERGEKIT_MODE, "weights": weights}, count=len(weights)
+        )
 
     def to_mergekit(self) -> dict:
         """The same merge in mergekit's YAML schema."""
@@ -220,7 +224,9 @@ def merge_checkpoints(
     config_source = yaml.safe_dump(mergekit_dict, sort_keys=False)
     with atomic_output_dir(out_dir, overwrite) as folder:
         run_merge(merge_configuration, str(folder), merge_options, config_source=config_source)
-        if (folder / "README.md").is_file():  # mergekit titles its model card with the folder it wrote: ours is temporary
+        if (
+            folder / "README.md"
+        ).is_file():  # mergekit titles its model card with the folder it wrote: ours is temporary
             card = generate_card(config=merge_configuration, config_yaml=config_source, name=Path(out_dir).name)
             (folder / "README.md").write_text(card, encoding="utf-8")
         if not allow_nonfinite:
@@ -249,7 +255,7 @@ def check_mergekit_parameters(config: Mapping) -> None:
     mergekit passes density −0.5 (the output is the base), density 2.0, λ NaN (every weight NaN)
     and misspelt parameter names on without a word. Here: the method must be one mergekit runs;
     each parameter name one the method takes (mergekit's own list); every number finite; and for
-    a method we define too (`merging.registry.mergekit_methods()`), every value of `weight`,
+    a method we define too (`mergecompose.merging.registry.mergekit_methods()`), every value of `weight`,
     `lambda`, `density`, `gamma` and `normalize` (each point of a gradient or filter list, at the
     top level, per model and per slice) valid for our settings model under mergekit's definitions.
     """
@@ -266,7 +272,9 @@ def check_mergekit_parameters(config: Mapping) -> None:
             raise ValueError(f"`{where}` must be a mapping of parameter names to values, got {parameters!r}")
         for name, setting in parameters.items():
             if name not in accepted:
-                raise ValueError(f"`{where}.{name}` is not a parameter of mergekit's `{method}`; valid: {', '.join(accepted)}")
+                raise ValueError(
+                    f"`{where}.{name}` is not a parameter of mergekit's `{method}`; valid: {', '.join(accepted)}"
+                )
             for value in _setting_values(setting):
                 _check_parameter_value(method, f"{where}.{name}", name, value, ours)
 
@@ -340,7 +348,9 @@ def _labelled_models(configuration) -> list[tuple[str, object]]:
     labelled = []
     if configuration.base_model is not None:
         labelled.append(("base_model", configuration.base_model))
-    blocks = [("", configuration)] + [(f"modules.{name}.", module) for name, module in (configuration.modules or {}).items()]
+    blocks = [("", configuration)] + [
+        (f"modules.{name}.", module) for name, module in (configuration.modules or {}).items()
+    ]
     for prefix, block in blocks:
         for index, model in enumerate(block.models or []):
             labelled.append((f"{prefix}models[{index}].model", model.model))
@@ -355,7 +365,9 @@ def _labelled_models(configuration) -> list[tuple[str, object]]:
     return unique
 
 
-def check_checkpoints(folders: Mapping[str, str], allow_nonfinite: bool = False, vocabulary_may_differ: bool = False) -> None:
+def check_checkpoints(
+    folders: Mapping[str, str], allow_nonfinite: bool = False, vocabulary_may_differ: bool = False
+) -> None:
     """Compare local safetensors checkpoints (label -> folder) with the first one, tensor by tensor.
 
     A tensor both hold must have the same shape (for the embeddings of a different vocabulary,
@@ -364,8 +376,10 @@ def check_checkpoints(folders: Mapping[str, str], allow_nonfinite: bool = False,
     Folders without safetensors files are left to mergekit.
     """
     readable = {
-        label: folder for label, folder in folders.items()
-        if any(Path(folder).expanduser().glob("*.safetensors")) or (Path(folder).expanduser() / "model.safetensors.index.json").is_file()
+        label: folder
+        for label, folder in folders.items()
+        if any(Path(folder).expanduser().glob("*.safetensors"))
+        or (Path(folder).expanduser() / "model.safetensors.index.json").is_file()
     }
     checkpoints = {label: SafetensorsCheckpoint(folder, label) for label, folder in readable.items()}
     if not checkpoints:
@@ -374,7 +388,12 @@ def check_checkpoints(folders: Mapping[str, str], allow_nonfinite: bool = False,
     for label, checkpoint in checkpoints.items():
         for name in checkpoint.keys():
             if label != first_label and name in first:
-                _check_pair(name, (first_label, readable[first_label], first), (label, readable[label], checkpoint), vocabulary_may_differ)
+                _check_pair(
+                    name,
+                    (first_label, readable[first_label], first),
+                    (label, readable[label], checkpoint),
+                    vocabulary_may_differ,
+                )
             if not allow_nonfinite and checkpoint.is_floating_point(name):
                 check_finite(name, checkpoint.get(name), f"`{label}` {readable[label]!r}")
 
@@ -406,7 +425,9 @@ def _check_pair(name: str, first: tuple, second: tuple, vocabulary_may_differ: b
 
 def _check_merged_output(folder: Path) -> None:
     """Refuse a merged model with NaN or inf (finite inputs: λ or the weights overflowed the dtype)."""
-    hint = "the inputs are finite, so the merge overflowed its dtype: lower `lambda` or the weights; nothing was written"
+    hint = (
+        "the inputs are finite, so the merge overflowed its dtype: lower `lambda` or the weights; nothing was written"
+    )
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():

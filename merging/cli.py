@@ -9,19 +9,21 @@ from pathlib import Path
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from composition.cli_common import add_common_flags
-from composition.io import atomic_output_dir, markdown_table, refuse_existing
-from composition.sources import check_model_source, source_kind
-from merging.checkpoints import load_merge_config, merge_checkpoints
-from merging.task_vector import TaskVector
+from mergecompose.core.cli_common import add_common_flags
+from mergecompose.core.io import atomic_output_dir, markdown_table, refuse_existing
+from mergecompose.core.sources import check_model_source, source_kind
+from mergecompose.merging.checkpoints import load_merge_config, merge_checkpoints
+from mergecompose.merging.task_vector import TaskVector
 
-
-_ALLOW_NONFINITE = "accept NaN or inf weights in the inputs (and in the result); by default they are refused, naming the tensor"
+_ALLOW_NONFINITE = (
+    "accept NaN or inf weights in the inputs (and in the result); by default they are refused, naming the tensor"
+)
 
 
 def add_commands(subparsers) -> None:
     merge = subparsers.add_parser(
-        "merge", help="merge checkpoints on disk through mergekit (mergekit YAML unchanged, or our typed config)",
+        "merge",
+        help="merge checkpoints on disk through mergekit (mergekit YAML unchanged, or our typed config)",
         description="mergecompose merge CONFIG --out DIR; the older form `merge CONFIG DIR` does the same.",
     )
     merge.add_argument("config", help="a mergekit YAML file (merge_method: ...) or ours (method: ...)")
@@ -75,7 +77,9 @@ def run_task_vector(args) -> int:
     if args.out is not None:
         refuse_existing(args.out, args.overwrite)  # before the work, not after
     labels = _labels(args.finetuned)
-    base = check_model_source(args.base, "base", adapter_hint="give the adapter's base as `base` and the adapter after it")
+    base = check_model_source(
+        args.base, "base", adapter_hint="give the adapter's base as `base` and the adapter after it"
+    )
     kinds = [source_kind(path, f"finetuned[{index}]") for index, path in enumerate(args.finetuned)]  # before any work
     task_vectors = {}
     base_model = None
@@ -92,7 +96,10 @@ def run_task_vector(args) -> int:
     cosines = {
         first: {second: _cosine(task_vectors[first], task_vectors[second]) for second in labels} for first in labels
     }
-    rows = [[label, norms[label], len(tv.tensors), sum(t.numel() for t in tv.tensors.values())] for label, tv in task_vectors.items()]
+    rows = [
+        [label, norms[label], len(tv.tensors), sum(t.numel() for t in tv.tensors.values())]
+        for label, tv in task_vectors.items()
+    ]
     print(markdown_table(["task vector", "norm", "tensors", "parameters"], rows, cell=_format, pad=True))
     groups = list(dict.fromkeys(group for norms_of in layer_norms.values() for group in norms_of))
     rows = [[group, *[layer_norms[label].get(group, 0.0) for label in labels]] for group in groups]

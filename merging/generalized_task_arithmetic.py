@@ -36,8 +36,8 @@ import torch
 from mergekit.merge_methods.generalized_task_arithmetic import get_mask
 from tqdm.auto import tqdm
 
-from merging.settings import NamedBySettings, TaskArithmeticSettings
-from merging.sparsify import magnitude_trim, magnitude_trim_global, outlier_trim, random_drop
+from mergecompose.merging.settings import NamedBySettings, TaskArithmeticSettings
+from mergecompose.merging.sparsify import magnitude_trim, magnitude_trim_global, outlier_trim, random_drop
 
 # mergekit's names for the two sign elections.
 _MERGEKIT_ELECTION = {"mass": "sum", "count": "count"}
@@ -47,7 +47,7 @@ _MERGEKIT_ELECTION = {"mass": "sum", "count": "count"}
 class GeneralizedTaskArithmetic(NamedBySettings):
     """One configured variant: its settings model, which sparsification, whether to elect signs.
 
-    settings: the pydantic model of its parameters and defaults (`merging.settings`).
+    settings: the pydantic model of its parameters and defaults (`mergecompose.merging.settings`).
     sparsification: None | "magnitude" | "random" | "outliers".
     sign_consensus: elect a sign per entry and average only agreeing entries (TIES).
     mergekit: mergekit runs the same merge under the same name (`merge_checkpoints` offers it).
@@ -82,7 +82,9 @@ class GeneralizedTaskArithmetic(NamedBySettings):
             if self.sparsification == "random" and generator is None:
                 generator = torch.Generator(device=present.device).manual_seed(settings.seed)
             deltas = [
-                self._sparsify(task_vector[name], settings, generator) if name in task_vector else torch.zeros_like(present)
+                self._sparsify(task_vector[name], settings, generator)
+                if name in task_vector
+                else torch.zeros_like(present)
                 for task_vector in task_vectors
             ]
             stacked = torch.stack(deltas)  # (k, *shape)
@@ -102,7 +104,9 @@ class GeneralizedTaskArithmetic(NamedBySettings):
             return random_drop(tensor, settings.drop_rate, settings.rescale, generator)
         return tensor  # no sparsification, or already trimmed globally
 
-    def merge_deltas(self, stacked: torch.Tensor, weights: torch.Tensor, settings: TaskArithmeticSettings) -> torch.Tensor:
+    def merge_deltas(
+        self, stacked: torch.Tensor, weights: torch.Tensor, settings: TaskArithmeticSettings
+    ) -> torch.Tensor:
         """Merge k sparsified deltas of one tensor: (k, *shape) -> (*shape). Weights: (k,)."""
         weights = weights.reshape(-1, *([1] * (stacked.dim() - 1)))  # (k, 1, ..., 1)
         weighted = stacked * weights  # (k, *shape)

@@ -1,4 +1,4 @@
-"""Lazy reads of safetensors checkpoints, tensor by tensor (atomic writes: `composition.io`)."""
+"""Lazy reads of safetensors checkpoints, tensor by tensor (atomic writes: `mergecompose.core.io`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from composition.sources import check_model_source
+from mergecompose.core.sources import check_model_source
 
 
 class SafetensorsCheckpoint:
@@ -20,7 +20,9 @@ class SafetensorsCheckpoint:
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
         if not (index.is_file() or single.is_file()):
-            check_model_source(folder, argument)  # names a missing folder, an adapter folder, a folder without config.json
+            check_model_source(
+                folder, argument
+            )  # names a missing folder, an adapter folder, a folder without config.json
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
             self._file_of = {name: self.folder / file for name, file in weight_map.items()}
@@ -28,7 +30,9 @@ class SafetensorsCheckpoint:
             with safe_open(str(single), framework="pt") as handle:
                 self._file_of = {name: single for name in handle.keys()}
         elif not self.folder.is_dir():
-            raise ValueError(f"`{argument}` {str(folder)!r} is not a local folder; checkpoints are read from local safetensors folders")
+            raise ValueError(
+                f"`{argument}` {str(folder)!r} is not a local folder; checkpoints are read from local safetensors folders"
+            )
         else:
             found = sorted(path.name for path in self.folder.iterdir())
             raise ValueError(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from merging.settings import NamedBySettings, LinearSettings
+from mergecompose.merging.settings import LinearSettings, NamedBySettings
 
 
 @dataclass(frozen=True)

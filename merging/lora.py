@@ -4,10 +4,10 @@ peft's `add_weighted_adapter` also offers `linear`, `ties`, `dare_*` and `magnit
 combinations. They merge the A matrices and the B matrices *separately*: `linear` builds
 A = Σ_i c_i A_i and B = Σ_i c_i B_i with c_i = √(w_i s_i), so B A = Σ_i Σ_j c_i c_j B_i A_j holds the
 cross terms B_i A_j (i ≠ j) and is not Σ_i w_i ΔW_i; on random adapters it is far from it (see
-`tests/test_merging_lora.py`). Do not use them as ΔW merges. Only `cat` (stack the ranks: exact)
+`tests/merging/test_merging_lora.py`). Do not use them as ΔW merges. Only `cat` (stack the ranks: exact)
 and `svd` (truncate Σ_i w_i ΔW_i to a rank: approximate) combine the true ΔW; they are the two
 offered here, with the relative error of ΔW reported. To merge ΔW with TIES or DARE, build dense
-task vectors (`TaskVector.from_lora`) and use `merging.merge`.
+task vectors (`TaskVector.from_lora`) and use `mergecompose.merging.merge`.
 """
 
 from __future__ import annotations
@@ -17,26 +17,26 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
+from peft import PeftConfig, PeftModel
 from peft.tuners.lora import LoraLayer
 from peft.utils import PeftType
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
-from pydantic import BaseModel, ConfigDict, Field
 
-from composition.adapters import check_adapter_fits, read_adapter
-from composition.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
-from merging.state_dicts import check_finite_tensors, check_same_shape, compute_dtype, state_dict_of
-from merging.training import IGNORE_INDEX, Batch, OptimizerSettings, train_model
+from mergecompose.core.adapters import check_adapter_fits, read_adapter
+from mergecompose.core.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
+from mergecompose.merging.state_dicts import check_finite_tensors, check_same_shape, compute_dtype, state_dict_of
 
 
 def _check_lora_config(config: PeftConfig, where: str) -> None:
     if config.peft_type != PeftType.LORA:
-        raise ValueError(f"{where} is a {config.peft_type} adapter; only LoRA adapters have a dense ΔW = s · B @ A here")
+        raise ValueError(
+            f"{where} is a {config.peft_type} adapter; only LoRA adapters have a dense ΔW = s · B @ A here"
+        )
     if getattr(config, "use_dora", False):
         raise ValueError(
             f"{where} is a DoRA adapter, which is not supported: its merged weight m · (W + ΔW) / ‖W + ΔW‖ "
@@ -44,7 +44,9 @@ def _check_lora_config(config: PeftConfig, where: str) -> None:
         )
 
 
-def lora_delta_weights(base_model: torch.nn.Module, adapter, *, allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
+def lora_delta_weights(
+    base_model: torch.nn.Module, adapter, *, allow_nonfinite: bool = False
+) -> dict[str, torch.Tensor]:
     """{base tensor name: ΔW} of a peft LoRA adapter, in float32 (float64 for a float64 base).
 
     ΔW = scaling · B @ A for each adapted module, computed by peft's `LoraLayer.get_delta_weight`,
@@ -80,16 +82,24 @@ def lora_delta_weights(base_model: torch.nn.Module, adapter, *, allow_nonfinite:
             if isinstance(module, LoraLayer) and (name in module.lora_A or name in module.lora_embedding_A):
                 if name in getattr(module, "lora_variant", {}):
                     variant = type(module.lora_variant[name]).__name__
-                    raise ValueError(f"module `{module_path}` uses the LoRA variant {variant}, whose update is not B @ A")
+                    raise ValueError(
+                        f"module `{module_path}` uses the LoRA variant {variant}, whose update is not B @ A"
+                    )
                 _add_delta(deltas, base_state, f"{module_path}.weight", module.get_delta_weight(name))
                 if module.lora_bias.get(name, False):
-                    _add_delta(deltas, base_state, f"{module_path}.bias", module.lora_B[name].bias * module.scaling[name])
+                    _add_delta(
+                        deltas, base_state, f"{module_path}.bias", module.lora_B[name].bias * module.scaling[name]
+                    )
             elif isinstance(module, ModulesToSaveWrapper) and name in module.modules_to_save:
                 original = dict(module.original_module.named_parameters())
                 for parameter_name, parameter in module.modules_to_save[name].named_parameters():
-                    _add_delta(deltas, base_state, f"{module_path}.{parameter_name}", parameter - original[parameter_name])
+                    _add_delta(
+                        deltas, base_state, f"{module_path}.{parameter_name}", parameter - original[parameter_name]
+                    )
             elif isinstance(module, AuxiliaryTrainingWrapper) and not isinstance(module, ModulesToSaveWrapper):
-                raise ValueError(f"module `{module_path}` is wrapped by {type(module).__name__}, which is not supported")
+                raise ValueError(
+                    f"module `{module_path}` is wrapped by {type(module).__name__}, which is not supported"
+                )
     if not deltas:
         raise ValueError(f"adapter `{name}` adapts no module of the base model")
     return deltas
@@ -97,7 +107,9 @@ def lora_delta_weights(base_model: torch.nn.Module, adapter, *, allow_nonfinite:
 
 def _add_delta(deltas: dict, base_state: Mapping[str, torch.Tensor], key: str, delta: torch.Tensor) -> None:
     if key not in base_state:
-        raise ValueError(f"the adapter changes `{key}`, which the base model does not have; was it made for another base?")
+        raise ValueError(
+            f"the adapter changes `{key}`, which the base model does not have; was it made for another base?"
+        )
     check_same_shape(key, base_state[key].shape, delta.shape, what=("base", "adapter ΔW"))
     dtype = compute_dtype(base_state[key].dtype, delta.dtype)
     deltas[key] = delta.detach().to(dtype).clone()
@@ -195,7 +207,9 @@ def combine_lora_adapters(
             module_errors[module_path] = error / target_norm if target_norm > 0 else error
             squared_error += error**2
             squared_target += target_norm**2
-    relative_error = math.sqrt(squared_error) / math.sqrt(squared_target) if squared_target > 0 else math.sqrt(squared_error)
+    relative_error = (
+        math.sqrt(squared_error) / math.sqrt(squared_target) if squared_target > 0 else math.sqrt(squared_error)
+    )
     new_rank = int(peft_model.peft_config[combined].r)
 
     with atomic_output_dir(out_dir, overwrite) as folder:
@@ -213,82 +227,3 @@ def combine_lora_adapters(
         }
         (folder / "combination.json").write_text(json.dumps(record, indent=2))
     return LoraCombination(Path(out_dir), method, new_rank, weights, relative_error, module_errors)
-
-
-# ---- training ----------------------------------------------------------------------------------
-
-
-class LoraTrainingConfig(BaseModel):
-    """How `train_lora_expert` trains one adapter (AdamW on the causal-LM loss)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    rank: int = Field(8, ge=1)
-    alpha: float | None = Field(None, gt=0, description="lora_alpha; None means alpha = rank (scaling 1)")
-    use_rslora: bool = False
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    steps: int = Field(100, ge=1)
-    learning_rate: float = Field(1e-3, gt=0)
-    seed: int = Field(0, ge=0)
-
-
-@dataclass
-class LoraTraining:
-    adapter_dir: Path
-    losses: list[float]
-
-
-def train_lora_expert(
-    base_model: torch.nn.Module,
-    batches: Iterable[Mapping[str, torch.Tensor]],
-    out_dir: str | os.PathLike,
-    config: LoraTrainingConfig | None = None,
-    *,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> LoraTraining:
-    """Train a LoRA adapter on a deep copy of `base_model` and save it as a peft folder.
-
-    `batches` yields dicts with `input_ids` (B, T), optional `attention_mask` (B, T) and `labels`
-    (B, T; -100 is ignored), as for a transformers causal LM (the logit at t predicts
-    labels[:, t + 1]); they are cycled through for `config.steps` AdamW steps of
-    `merging.training.train_model`. The base model is not modified. The folder (written
-    atomically) holds the adapter and `training_config.json` with the losses of every step,
-    rounded to 6 decimals.
-    """
-    config = config or LoraTrainingConfig()
-    refuse_existing(out_dir, overwrite)
-    batches = list(batches)
-    if not batches:
-        raise ValueError("`batches` must yield at least one batch, got none")
-    for index, batch in enumerate(batches):
-        if "input_ids" not in batch or "labels" not in batch:
-            raise ValueError(f"`batches[{index}]` must hold `input_ids` and `labels`, got keys {sorted(batch)}")
-    torch.manual_seed(config.seed)
-    lora_config = LoraConfig(
-        r=config.rank,
-        lora_alpha=config.alpha if config.alpha is not None else config.rank,
-        use_rslora=config.use_rslora,
-        lora_dropout=config.dropout,
-        target_modules=config.target_modules,
-    )
-    peft_model = get_peft_model(copy.deepcopy(base_model), lora_config)
-    # AdamW with torch's default weight decay, at a constant rate, without clipping.
-    settings = OptimizerSettings(
-        lr=config.learning_rate, weight_decay=0.01, schedule="constant", warmup_fraction=0.0, grad_clip=None
-    )
-    stream = (_aligned(batches[step % len(batches)]) for step in range(config.steps))
-    log = train_model(peft_model, stream, settings, config.steps, description="LoRA training", progress=progress, log_every=1)
-    losses = [loss for _, loss in log.losses]
-    with atomic_output_dir(out_dir, overwrite) as folder:
-        peft_model.save_pretrained(str(folder))
-        record = {"config": config.model_dump(), "losses": losses}
-        (folder / "training_config.json").write_text(json.dumps(record, indent=2))
-    return LoraTraining(Path(out_dir), losses)
-
-
-def _aligned(batch: Mapping[str, torch.Tensor]) -> Batch:
-    """A transformers-style batch (the logit at t predicts labels[:, t + 1]) with labels aligned to the logits."""
-    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T)
-    return Batch(batch["input_ids"], batch.get("attention_mask"), None, labels)

@@ -10,10 +10,17 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
-from composition.io import atomic_output_dir, refuse_existing
-from merging.registry import get_method, validate_merge_params
-from merging.state_dicts import check_finite, check_finite_tensors, check_same_shape, is_mergeable, share_updates_of_tied, state_dict_of
-from merging.task_vector import TaskVector
+from mergecompose.core.io import atomic_output_dir, refuse_existing
+from mergecompose.merging.registry import get_method, validate_merge_params
+from mergecompose.merging.state_dicts import (
+    check_finite,
+    check_finite_tensors,
+    check_same_shape,
+    is_mergeable,
+    share_updates_of_tied,
+    state_dict_of,
+)
+from mergecompose.merging.task_vector import TaskVector
 
 # Pass as `merge(..., **MERGEKIT_MODE)` to follow mergekit's definitions (what `merge_checkpoints`
 # computes on disk), or `**PEFT_MODE` for peft's `merge_utils`. The defaults follow the papers.
@@ -35,12 +42,12 @@ def merge(
     """Merge k fine-tuned models (or task vectors) into `base`: θ = θ_base + λ · merge_i(w_i, τ_i).
 
     Args:
-        method: a name in `merging.METHODS`.
+        method: a name in `mergecompose.merging.METHODS`.
         base: the base model (torch module) or its state dict.
         finetuned_or_task_vectors: a list of k models, state dicts or `TaskVector`s (mixed is
             fine); models and state dicts become τ_i = θ_i − θ_base.
         params: the method's parameters, validated by its model `METHODS[method].settings`
-            (`merging.settings`; None means the method's default):
+            (`mergecompose.merging.settings`; None means the method's default):
             weights: w_i per input, default 1.0 each.
             lam: λ, scaling of the merged task vector (not for linear; > 0 for ties / dare_ties).
             density: fraction of entries kept, in (0, 1]: ties, magnitude_prune, breadcrumbs (and
@@ -49,13 +56,13 @@ def merge(
             gamma: breadcrumbs' fraction of largest entries removed (default 0.01).
             seed: DARE's random seed (default 0); the merge is deterministic given it.
             consensus: "paper" (default) or "mergekit": where the weights enter the sign election
-                and what the disjoint mean divides by (see `merging.generalized_task_arithmetic`).
+                and what the disjoint mean divides by (see `mergecompose.merging.generalized_task_arithmetic`).
             sign_election: "mass" (default, sgn Σ τ) or "count" (sgn Σ sgn τ).
             trim_scope: "global" (TIES paper; ties' default) or "per_tensor" (mergekit, peft).
             rescale: DARE's "inverse" (1/(1 − p); default) or "l1" (mergekit; default under
                 consensus="mergekit").
             normalize: divide the merged delta by Σ w (or, with signs, by the count / the weights
-                of the agreeing entries); the default is the method's (see `merging.registry`).
+                of the agreeing entries); the default is the method's (see `mergecompose.merging.registry`).
         out_dir: also write the merged model there (atomically): `save_pretrained` for a
             transformers model, `model.safetensors` for a state dict, and `merge_settings.yaml`
             with the resolved settings.
@@ -100,12 +107,15 @@ def merge(
     if not allow_nonfinite:
         check_finite_tensors(float_base, "`base`")
     task_vectors = [
-        _as_task_vector(item, base_state, index, allow_nonfinite) for index, item in enumerate(finetuned_or_task_vectors)
+        _as_task_vector(item, base_state, index, allow_nonfinite)
+        for index, item in enumerate(finetuned_or_task_vectors)
     ]
     merged = merge_method(float_base, [task_vector.tensors for task_vector in task_vectors], settings, progress)
     if not allow_nonfinite:
-        overflow = (f"the inputs are finite, so λ · Σ w τ overflowed (lam={getattr(settings, 'lam', None)}, "
-                    f"weights={settings.weights}); nothing was returned or written (allow_nonfinite=True returns it)")
+        overflow = (
+            f"the inputs are finite, so λ · Σ w τ overflowed (lam={getattr(settings, 'lam', None)}, "
+            f"weights={settings.weights}); nothing was returned or written (allow_nonfinite=True returns it)"
+        )
         for name, tensor in merged.items():
             check_finite(name, tensor, "the merged model", hint=overflow)
     share_updates_of_tied(base_state, merged)
@@ -118,7 +128,9 @@ def merge(
             if hasattr(base, "save_pretrained"):
                 base.save_pretrained(folder, state_dict=dict(result))  # transformers may pop keys
             else:
-                save_file({name: tensor.contiguous() for name, tensor in result.items()}, str(folder / "model.safetensors"))
+                save_file(
+                    {name: tensor.contiguous() for name, tensor in result.items()}, str(folder / "model.safetensors")
+                )
             record = {
                 "settings": settings.model_dump(),
                 "inputs": [type(item).__name__ for item in finetuned_or_task_vectors],

@@ -12,7 +12,7 @@
 
 "mergekit" defaults are those of mergekit's registry (its dare_ties does not normalise). Each
 entry holds the pydantic model of its parameters (`METHODS["ties"].settings`, see
-`merging.settings`) and says whether mergekit runs it under the same name (all but
+`mergecompose.merging.settings`) and says whether mergekit runs it under the same name (all but
 magnitude_prune), which is what `merge_checkpoints` offers.
 """
 
@@ -23,9 +23,9 @@ from types import MappingProxyType
 
 from pydantic import ValidationError
 
-from merging.generalized_task_arithmetic import GeneralizedTaskArithmetic
-from merging.linear import Linear
-from merging.settings import (
+from mergecompose.merging.generalized_task_arithmetic import GeneralizedTaskArithmetic
+from mergecompose.merging.linear import Linear
+from mergecompose.merging.settings import (
     BreadcrumbsSettings,
     DareLinearSettings,
     DareTiesSettings,
@@ -75,7 +75,9 @@ def validate_merge_params(method: str, params: Mapping, *, count: int | None = N
     """
     settings = get_method(method).settings
     if not isinstance(params, Mapping):
-        raise ValueError(f"`params` of `{method}` must be a mapping of parameter names to values, got {type(params).__name__}")
+        raise ValueError(
+            f"`params` of `{method}` must be a mapping of parameter names to values, got {type(params).__name__}"
+        )
     try:
         return settings.model_validate(dict(params), context={"count": count})
     except ValidationError as error:

@@ -60,7 +60,9 @@ def check_same_kind(name: str, base: torch.Tensor, other: torch.Tensor, what=("b
         )
 
 
-def check_same_shape(name: str, first: torch.Size | tuple, second: torch.Size | tuple, what=("base", "finetuned")) -> None:
+def check_same_shape(
+    name: str, first: torch.Size | tuple, second: torch.Size | tuple, what=("base", "finetuned")
+) -> None:
     if tuple(first) != tuple(second):
         raise ValueError(
             f"shape mismatch for tensor `{name}`: {what[0]} has shape {tuple(first)}, "

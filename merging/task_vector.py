@@ -11,9 +11,9 @@ from collections.abc import Mapping
 
 import torch
 
-from merging.io import SafetensorsCheckpoint
-from merging.lora import lora_delta_weights
-from merging.state_dicts import (
+from mergecompose.merging.io import SafetensorsCheckpoint
+from mergecompose.merging.lora import lora_delta_weights
+from mergecompose.merging.state_dicts import (
     check_finite,
     check_same_keys,
     check_same_kind,
@@ -67,14 +67,20 @@ class TaskVector:
         return cls(tensors)
 
     @classmethod
-    def from_models(cls, base_model: torch.nn.Module, finetuned_model: torch.nn.Module, *, allow_nonfinite: bool = False) -> TaskVector:
+    def from_models(
+        cls, base_model: torch.nn.Module, finetuned_model: torch.nn.Module, *, allow_nonfinite: bool = False
+    ) -> TaskVector:
         """The task vector of two models with the same architecture (their state dicts)."""
         return cls.from_state_dicts(
-            state_dict_of(base_model, "base_model"), state_dict_of(finetuned_model, "finetuned_model"), allow_nonfinite=allow_nonfinite
+            state_dict_of(base_model, "base_model"),
+            state_dict_of(finetuned_model, "finetuned_model"),
+            allow_nonfinite=allow_nonfinite,
         )
 
     @classmethod
-    def from_checkpoints(cls, base_dir: str | os.PathLike, finetuned_dir: str | os.PathLike, *, allow_nonfinite: bool = False) -> TaskVector:
+    def from_checkpoints(
+        cls, base_dir: str | os.PathLike, finetuned_dir: str | os.PathLike, *, allow_nonfinite: bool = False
+    ) -> TaskVector:
         """The task vector of two safetensors checkpoint folders, read one tensor pair at a time.
 
         Peak memory is the task vector plus one tensor pair, never two full models. Errors name
@@ -98,7 +104,7 @@ class TaskVector:
         rank_pattern / alpha_pattern; `modules_to_save` copies contribute their difference to the
         base. DoRA adapters raise a ValueError: their merged weight m · (W + ΔW) / ‖W + ΔW‖ is not
         W + ΔW. Non-finite adapter weights are refused unless `allow_nonfinite`. See
-        `merging.lora.lora_delta_weights`.
+        `mergecompose.merging.lora.lora_delta_weights`.
         """
         return cls(lora_delta_weights(base_model, adapter, allow_nonfinite=allow_nonfinite))
 
@@ -207,7 +213,12 @@ class TaskVector:
 
 
 def _add_difference(
-    tensors: dict[str, torch.Tensor], name: str, base: torch.Tensor, finetuned: torch.Tensor, what: tuple[str, str], allow_nonfinite: bool
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    base: torch.Tensor,
+    finetuned: torch.Tensor,
+    what: tuple[str, str],
+    allow_nonfinite: bool,
 ) -> None:
     """`tensors[name] = finetuned − base` in their common float dtype; integer and bool buffers are skipped."""
     check_same_shape(name, base.shape, finetuned.shape, what)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from composition.tiny import random_llama, random_lora_adapter, tiny_llama_config
+from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
 
 torch.set_num_threads(2)
 
@@ -54,14 +54,3 @@ def checkpoints(base_model, expert_models, tmp_path_factory):
     for index, model in enumerate(expert_models):
         model.save_pretrained(root / f"expert_{index}")
     return root
-
-
-def task_arithmetic_mergekit_config(checkpoints) -> dict:
-    """mergekit's YAML schema: task arithmetic of the two saved experts, weight 0.5 each, λ = 0.9."""
-    return {
-        "merge_method": "task_arithmetic",
-        "base_model": str(checkpoints / "base"),
-        "models": [{"model": str(checkpoints / f"expert_{i}"), "parameters": {"weight": 0.5}} for i in range(2)],
-        "parameters": {"lambda": 0.9},
-        "dtype": "float32",
-    }

@@ -1,0 +1,39 @@
+"""Synthetic tasks and `mergecompose compare`: one generic pipeline, task types registered by name.
+
+mergecompose.experiments.registry         the `TaskType` protocol and `TASK_TYPES` (register_task_type)
+mergecompose.experiments.config           the typed compare config (`load_config`)
+mergecompose.experiments.strings          the held-out rule, the rejection sampler, training batches
+mergecompose.experiments.tokenizer        the character-level transformers tokenizer
+mergecompose.experiments.formats          aligned / seq2seq model inputs, position coupling, random positions
+mergecompose.experiments.models           small Llama / GPT-2 models and their LoRA config
+mergecompose.experiments.components       base and experts, trained or loaded from the run folder's cache
+mergecompose.experiments.evaluate         systems, exact match with Wilson intervals, greedy decoding
+mergecompose.experiments.merge_selection  the merge-grid search on validation data
+mergecompose.experiments.remedies         remedy sets of a compare config
+mergecompose.experiments.compare          the whole comparison (`run_compare`)
+mergecompose.experiments.report           results.md, terminal tables, length.png
+mergecompose.experiments.letters/         the letter-replacement task type
+mergecompose.experiments.skills/          the sequential-skills task type
+"""
+
+from mergecompose.experiments.compare import run_compare  # noqa: E402
+from mergecompose.experiments.config import CompareConfig, load_config
+
+# Each task type registers itself on import.
+from mergecompose.experiments.letters import LettersTaskSettings, LetterTask, apply_replacements  # noqa: E402
+from mergecompose.experiments.registry import TASK_TYPES, TaskType, get_task_type, register_task_type
+from mergecompose.experiments.skills import SkillsTaskSettings  # noqa: E402
+
+__all__ = [
+    "TASK_TYPES",
+    "CompareConfig",
+    "LetterTask",
+    "LettersTaskSettings",
+    "SkillsTaskSettings",
+    "TaskType",
+    "apply_replacements",
+    "get_task_type",
+    "load_config",
+    "register_task_type",
+    "run_compare",
+]

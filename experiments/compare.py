@@ -1,0 +1,432 @@
+"""`mergecompose compare`: train (or load) the components, build every system, evaluate all on the same data.
+
+Systems:
+
+    base                   the base, on copying
+    expert:<name>          each expert, full (fine-tuned from the base, or trained alone)
+    expert:<name>:lora     each expert as a peft LoRA adapter on the base
+    compose                ComposedLM(base, full joint experts)
+    compose:lora           ComposedLM.from_adapters(base, joint adapters): one base copy
+    compose+<name>         ComposedLM(base, full joint experts) with the config's remedy set <name>
+    merge:<method>         mergecompose.merging.merge(method, base, full joint experts), hyperparameters
+                           chosen on the validation splits (the mean exact match over them)
+
+Every system is scored on every test split against the joint target, and on its own target
+per length (`by_length`): the base on copying, an expert on its skill, the rest on the joint task.
+The task type (`config.task`, registered in `mergecompose.experiments.registry`: letters, skills) gives
+the training data, the evaluation data and any extra results sections.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from mergecompose.composition import ComposedLM
+from mergecompose.core.io import atomic_write_text
+from mergecompose.experiments.components import Components, prepare_components
+from mergecompose.experiments.config import CompareConfig, fingerprint
+from mergecompose.experiments.evaluate import (
+    JOINT,
+    ComposedSystem,
+    EvalData,
+    ModelSystem,
+    greedy_agreement,
+    mean_exact_match,
+    score,
+    summary,
+)
+from mergecompose.experiments.merge_selection import best_per_method, merged_model, search_merges
+from mergecompose.experiments.registry import compare_kind_of
+from mergecompose.experiments.remedies import remedy_system_name
+from mergecompose.experiments.report import format_tables, plot_lengths, write_markdown
+from mergecompose.experiments.run_folder import claim_run_dir
+
+# `type: lm_eval` compares (checkpoints scored by lm-evaluation-harness) register their compare
+# kind on import; they need the optional `lm-eval` extra.
+if importlib.util.find_spec("lm_eval") is not None:
+    import mergecompose.experiments.lm_eval  # noqa: F401
+
+BAR = 0.99  # the issue's bar for components and for the composition
+
+
+@dataclass
+class RunContext:
+    """What a results section gets: the config, the trained components, the data and the loaded systems."""
+
+    config: CompareConfig
+    components: Components
+    data: EvalData
+    systems: dict
+    curve_of: dict[str, str]
+
+
+# A results section: name -> function of the run's context returning a JSON-able dict, stored as
+# results[name]. Diagnostics from the `analysis` package attach here.
+Section = Callable[[RunContext], dict]
+
+
+def run_compare(
+    config: CompareConfig,
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
+    progress: bool = True,
+    sections: Mapping[str, Section] | None = None,
+    echo: Callable[[str], None] | None = print,
+    threads: int | None = 1,
+) -> dict:
+    """Run the whole comparison and write `results.json`, `results.md`, `length.png`, `config.yaml` to `out_dir`.
+
+    `out_dir` keeps its `checkpoints/` between runs (reused by hash). A folder that holds the
+    results of another config, or that is not a compare folder, is refused unless `overwrite`; so is
+    one that another run is writing (`mergecompose.experiments.run_folder.claim_run_dir`), at once.
+    `threads`: torch's intra-op threads during the run (restored after); the models are so
+    small that one thread is fastest, and several are much slower on a loaded machine.
+    Returns the results dict (the content of results.json).
+
+    A config of another compare kind (`mergecompose.experiments.registry.COMPARE_KINDS`, e.g. `type: lm_eval`) is
+    run by that kind's own function, under the same `threads`; `sections` apply to `CompareConfig` only.
+    """
+    kind = compare_kind_of(config)
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        if kind is not None:
+            return kind.run(config, Path(out_dir), overwrite=overwrite, progress=progress, echo=echo)
+        return _run(config, Path(out_dir), overwrite, progress, sections, echo)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+@dataclass
+class Setting:
+    """One setting of the comparison (the config itself, or one of its variants), evaluated."""
+
+    context: RunContext
+    evaluated: dict
+    merges: dict
+    timings: dict[str, float]
+
+
+def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
+    config_hash = fingerprint(config)
+    with claim_run_dir(out_dir, config_hash, overwrite, "a compare run folder", cached=("checkpoints",)):
+        return _run_locked(config, config_hash, out_dir, progress, sections, echo)
+
+
+def _run_locked(config, config_hash: str, out_dir: Path, progress, sections, echo) -> dict:
+    started = time.perf_counter()
+    main = _run_setting(config, out_dir, progress)
+    components, data = main.context.components, main.context.data
+    results = {
+        "config": config.model_dump(mode="json"),
+        "config_hash": config_hash,
+        "systems": main.evaluated,
+        "merges": main.merges,
+        "skipped": _skipped(config),
+        "bars": check_bars(config, main.evaluated),
+        "training": components.training,
+        "checkpoints": {
+            "base": str(components.base_dir),
+            "experts": {name: str(path) for name, path in components.experts.items()},
+            "adapters": {name: str(path) for name, path in components.adapters.items()},
+        },
+        "data": {
+            "test": {name: len(eval_set) for name, eval_set in data.test.items()},
+            "validation": {name: len(eval_set) for name, eval_set in data.validation.items()},
+            "main_length": config.eval_length,
+            "train_lengths": list(config.task.train_lengths),
+        },
+    }
+    for name, section in {**config.task.sections(), **(sections or {})}.items():
+        results[name] = section(main.context)
+    timings = dict(main.timings)
+    if config.variants:
+        results["variants"] = {}
+        for variant, variant_config in config.variant_configs().items():
+            stage = time.perf_counter()
+            setting = _run_setting(variant_config, out_dir, progress)
+            results["systems"].update({f"{variant}/{name}": record for name, record in setting.evaluated.items()})
+            results["variants"][variant] = {
+                "config": variant_config.model_dump(mode="json"),
+                "merges": setting.merges,
+                "skipped": _skipped(variant_config),
+                "training": setting.context.components.training,
+            }
+            timings[f"variant:{variant}"] = round(time.perf_counter() - stage, 2)
+        results["contrast"] = contrast(results)
+    timings["total"] = round(time.perf_counter() - started, 2)
+    results["timings"] = timings
+
+    atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1))
+    write_markdown(results, out_dir / "results.md", config.task.title())
+    plot_lengths(results, out_dir / "length.png")
+    plots = ["length.png", *config.task.plots(results, out_dir)]
+    if echo is not None:
+        echo(format_tables(results))
+        echo(
+            f"\nresults: {out_dir / 'results.json'}, {out_dir / 'results.md'}, "
+            + ", ".join(str(out_dir / name) for name in plots)
+        )
+    return results
+
+
+def _run_setting(config: CompareConfig, out_dir: Path, progress: bool) -> Setting:
+    """Train or load the components, build every system, choose the merges, evaluate everything."""
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    components = prepare_components(config, out_dir, progress)
+    timings["train_or_load"] = round(time.perf_counter() - started, 2)
+
+    stage = time.perf_counter()
+    data = config.task.eval_data(config.evaluation, config.eval_length, config.task.train_lengths[1])
+    timings["data"] = round(time.perf_counter() - stage, 2)
+
+    stage = time.perf_counter()
+    systems, curve_of = _single_systems(config, components)
+    systems.update(_compositions(config, components))
+    for name in [n for n in systems if n.startswith("compose")]:
+        curve_of[name] = JOINT
+    merges = _select_merges(config, components, data, out_dir / "checkpoints", progress)
+    for method, record in merges.items():
+        systems[f"merge:{method}"] = ModelSystem(f"merge:{method}", record.pop("model"))
+        curve_of[f"merge:{method}"] = JOINT
+    timings["systems_and_merge_selection"] = round(time.perf_counter() - stage, 2)
+
+    stage = time.perf_counter()
+    evaluated = _evaluate(config, components, data, systems, curve_of, progress)
+    timings["evaluation"] = round(time.perf_counter() - stage, 2)
+    return Setting(RunContext(config, components, data, systems, curve_of), evaluated, merges, timings)
+
+
+def contrast(results: dict) -> dict:
+    """Every composition and merge on `joint`, per setting (the config, then each variant).
+
+    `differs[setting][system]`: whether the system's 95 % interval is disjoint from `compose`'s
+    there, i.e. merging and composing differ measurably.
+    """
+    settings = ["main", *results.get("variants", {})]
+    table: dict = {"settings": settings, "systems": {}, "differs": {}}
+    for setting in settings:
+        prefix = "" if setting == "main" else f"{setting}/"
+        cells = {
+            name[len(prefix) :]: record["splits"][JOINT]
+            for name, record in results["systems"].items()
+            if name.startswith(prefix)
+            and "/" not in name[len(prefix) :]
+            and name[len(prefix) :].startswith(("compose", "merge:"))
+        }
+        for name, cell in cells.items():
+            table["systems"].setdefault(name, {})[setting] = {k: cell[k] for k in ("exact_match", "ci95", "n")}
+        reference = cells.get("compose")
+        if reference is not None:
+            table["differs"][setting] = {
+                name: cell["ci95"][1] < reference["ci95"][0] or cell["ci95"][0] > reference["ci95"][1]
+                for name, cell in cells.items()
+                if name != "compose"
+            }
+    return table
+
+
+# ---------------------------------------------------------------------------------- systems
+
+
+def _single_systems(config: CompareConfig, components: Components) -> tuple[dict, dict[str, str]]:
+    systems = {"base": ModelSystem("base", components.load_base())}
+    curve_of = {"base": "copy"}
+    for name in config.task.trained_skills():
+        systems[f"expert:{name}"] = ModelSystem(f"expert:{name}", components.load_expert(name))
+        curve_of[f"expert:{name}"] = f"skill:{name}"
+        if name in components.adapters:
+            systems[f"expert:{name}:lora"] = ModelSystem(f"expert:{name}:lora", components.load_adapter(name))
+            curve_of[f"expert:{name}:lora"] = f"skill:{name}"
+    return systems, curve_of
+
+
+def _compositions(config: CompareConfig, components: Components) -> dict:
+    joint = config.task.joint
+    base, experts = components.load_base(), [components.load_expert(name) for name in joint]
+    systems = {"compose": ComposedSystem("compose", ComposedLM(base, experts))}
+    eos = components.tokenizer.eos_token_id
+    for name, remedy in config.remedies.items():  # the same models under each remedy set
+        composed = ComposedLM(base, experts, remedies=remedy.build(eos))
+        systems[remedy_system_name(name)] = ComposedSystem(remedy_system_name(name), composed)
+    if all(name in components.adapters for name in joint):
+        adapters = {name: str(components.adapters[name]) for name in joint}
+        systems["compose:lora"] = ComposedSystem(
+            "compose:lora", ComposedLM.from_adapters(components.load_base(), adapters)
+        )
+    return systems
+
+
+def _select_merges(
+    config: CompareConfig, components: Components, data: EvalData, cache_dir: Path, progress: bool
+) -> dict:
+    """For each method, the grid point with the best mean validation exact match (the first one on ties).
+
+    The sweep is cached beside the checkpoints, keyed by the checkpoints' hashes, the task, the
+    evaluation settings (which fix the validation strings), the grid and the seed; a cached run
+    builds only the chosen merges.
+    """
+    if not config.merges:
+        return {}
+    base = components.load_base()
+    experts = [components.load_expert(name) for name in config.task.joint]
+    key = fingerprint(
+        {
+            "checkpoints": {name: record["fingerprint"] for name, record in components.training.items()},
+            "task": config.task.model_dump(mode="json"),
+            "evaluation": config.evaluation.model_dump(mode="json"),
+            "merges": {method: grid.model_dump(mode="json") for method, grid in config.merges.items()},
+            "seed": config.seed_merges,
+        }
+    )
+    cache = cache_dir / f"merge-selection-{key}.json"
+    cached = cache.is_file()
+    if cached:
+        selection = json.loads(cache.read_text())
+    else:
+        validation = list(data.validation.values())
+        fmt, tokenizer, batch_size = components.format, components.tokenizer, config.evaluation.batch_size
+
+        def validation_exact_match(method, model) -> float:
+            return mean_exact_match(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
+
+        grids = {method: grid.candidates() for method, grid in config.merges.items()}
+        records = search_merges(base, experts, grids, validation_exact_match, config.seed_merges, progress)
+        best = best_per_method(records)
+        selection = {
+            method: {
+                "chosen": best[method]["params"],
+                "validation_exact_match": best[method]["score"],
+                "validation": [
+                    {**r["params"], "mean_exact_match": r["score"]} for r in records if r["method"] == method
+                ],
+            }
+            for method in grids
+        }
+        atomic_write_text(cache, json.dumps(selection, indent=1))
+    return {
+        method: {
+            **record,
+            "cached": cached,
+            "model": merged_model(base, experts, method, record["chosen"], config.seed_merges),
+        }
+        for method, record in selection.items()
+    }
+
+
+def _skipped(config: CompareConfig) -> dict[str, str]:
+    skipped = {}
+    if config.training.experts.init == "scratch":
+        reason = "experts trained from scratch have no task vectors relative to the base"
+        for method in CompareConfig.model_fields["merges"].default_factory():
+            skipped[f"merge:{method}"] = reason
+        skipped["compose:lora"] = "LoRA adapters need experts fine-tuned from the base"
+    elif config.training.experts.lora is None:
+        skipped["compose:lora"] = "no LoRA recipe in the config (`training.experts.lora`)"
+    return skipped
+
+
+# ---------------------------------------------------------------------------------- evaluation
+
+
+def _evaluate(
+    config: CompareConfig, components: Components, data: EvalData, systems: dict, curve_of: dict, progress: bool
+) -> dict:
+    fmt, tokenizer, batch_size = components.format, components.tokenizer, config.evaluation.batch_size
+    check = config.evaluation.greedy_check if config.task.formulation == "seq2seq" else 0
+    # Real greedy decoding on the first `check` strings of `joint` and of the longest length split.
+    longest = max(data.test.values(), key=lambda eval_set: eval_set.length)
+    checked = {JOINT, longest.name}
+    results = {}
+    for name, system in tqdm(systems.items(), desc="evaluate", disable=not progress, leave=False):
+        started = time.perf_counter()
+        splits, agreement = {}, []
+        for split, eval_set in data.test.items():
+            scored = score(system, eval_set, fmt, tokenizer, batch_size)
+            splits[split] = summary(scored)
+            if check and split in checked:
+                agreement.append(greedy_agreement(system, eval_set.head(check), fmt, tokenizer, batch_size, scored))
+        by_length, by_length_ci, by_length_n, by_length_first_error = {}, {}, {}, {}
+        for length, eval_set in data.curves[curve_of[name]].items():
+            # The joint curve shares its sets with the test splits (`joint`, `length_L`).
+            shared = data.test.get(eval_set.name)
+            cell = (
+                splits[eval_set.name]
+                if shared is eval_set
+                else summary(score(system, eval_set, fmt, tokenizer, batch_size))
+            )
+            by_length[str(length)] = cell["exact_match"]
+            by_length_ci[str(length)] = cell["ci95"]
+            by_length_n[str(length)] = cell["n"]
+            by_length_first_error[str(length)] = cell["first_error"]
+        results[name] = {
+            "target": curve_of[name],
+            "splits": splits,
+            "by_length": by_length,
+            "by_length_ci95": by_length_ci,
+            "by_length_n": by_length_n,
+            "by_length_first_error": by_length_first_error,
+            "greedy_check": agreement,
+            "seconds": round(time.perf_counter() - started, 2),
+        }
+    return results
+
+
+def check_bars(config: CompareConfig, systems: dict) -> list[dict]:
+    """The issue's bars, each with its value and whether it applies and passes.
+
+    * the base ≥ 99 % on copying and each expert ≥ 99 % on its skill, at every evaluated
+      length within the training lengths;
+    * compose ≥ 99 % on `joint` at the main length, with at least 1,000 strings;
+    * compose ≥ 99 % at 2× the longest training length, where every component is ≥ 99 % there.
+    """
+    low, high = config.task.train_lengths
+    lengths = [length for length in config.evaluation.lengths if low <= length <= high]
+    bars = []
+
+    def add(text, value, applies=True, n=None):
+        bars.append({"bar": text, "value": value, "n": n, "applies": applies, "passed": applies and value >= BAR})
+
+    for name, record in systems.items():
+        if name.startswith(("compose", "merge")):
+            continue
+        for length in lengths:
+            add(
+                f"{name} on {record['target']} at length {length} >= {BAR:.0%}",
+                record["by_length"][str(length)],
+                n=record["by_length_n"][str(length)],
+            )
+    for name, suffix in (("compose", ""), ("compose:lora", ":lora")):
+        if name not in systems:
+            continue
+        joint = systems[name]["splits"][JOINT]
+        add(
+            f"{name} on joint at length {config.eval_length} >= {BAR:.0%} (n >= 1000)",
+            joint["exact_match"],
+            applies=joint["n"] >= 1000,
+            n=joint["n"],
+        )
+        double = str(2 * high)
+        if double in systems[name]["by_length"]:
+            components = ["base", *[f"expert:{expert}{suffix}" for expert in config.task.joint]]
+            ready = all(systems[c]["by_length"].get(double, 0.0) >= BAR for c in components if c in systems)
+            add(
+                f"{name} on joint at length {double} >= {BAR:.0%} (applies where every component is >= {BAR:.0%})",
+                systems[name]["by_length"][double],
+                applies=ready,
+                n=systems[name]["by_length_n"][double],
+            )
+    return bars

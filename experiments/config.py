@@ -1,0 +1,340 @@
+"""Typed configuration of a `mergecompose compare` run, loaded from YAML (`load_config`).
+
+A run trains a base and its experts, builds the merges and the compositions, and evaluates
+every system on the same held-out data. Every field is checked at load time; an unknown key is
+an error that names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+
+from mergecompose.composition.remedies import RemedySettings
+from mergecompose.core.io import load_yaml_config, read_yaml_mapping, validation_message
+from mergecompose.core.training import OptimizerSettings
+from mergecompose.experiments.registry import COMPARE_KINDS, validate_task
+from mergecompose.merging import METHODS, validate_merge_params
+
+DEFAULT_TASK_TYPE = "letters"
+
+
+class _Strict(BaseModel):
+    # Every float is finite: `lr: .inf` or `alpha: .nan` is refused at load time, not after training.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# The linear layers LoRA may adapt in each architecture (peft matches `target_modules` by name suffix).
+LORA_TARGETS = {
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+}
+
+
+class PositionSettings(_Strict):
+    """Position ids (see `mergecompose.experiments.formats`): the scheme, and random slots in training."""
+
+    scheme: Literal["coupled", "contiguous"] = "coupled"
+    randomize: bool = True
+    max_position: int = Field(256, ge=1)
+
+
+class ModelSettings(_Strict):
+    """A small transformers causal LM: Llama (RoPE) or GPT-2 (learned absolute positions)."""
+
+    architecture: Literal["llama", "gpt2"] = "llama"
+    hidden_size: int = Field(64, ge=1)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(2, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)  # default: 2 × hidden (llama), 4 × hidden (gpt2)
+    max_position_embeddings: int = Field(256, ge=1)
+    rope_theta: float = Field(10000.0, gt=0)
+
+    @model_validator(mode="after")
+    def _heads(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"`hidden_size` ({self.hidden_size}) must be divisible by `num_heads` ({self.num_heads})")
+        return self
+
+
+class TrainingSettings(OptimizerSettings):
+    """One training run: either `steps` on fresh random strings, or `epochs` over `num_examples` fixed ones.
+
+    The optimizer's fields (`lr`, `weight_decay`, `schedule`, `warmup_fraction`, `grad_clip`) are
+    `mergecompose.core.training.OptimizerSettings`'s, for the one trainer (`mergecompose.core.training.train_model`).
+    """
+
+    steps: int | None = Field(None, ge=1)
+    epochs: int | None = Field(None, ge=1)
+    num_examples: int | None = Field(None, ge=1)
+    batch_size: int = Field(64, ge=1)
+
+    @model_validator(mode="after")
+    def _one_budget(self):
+        streaming = self.steps is not None
+        fixed = self.epochs is not None or self.num_examples is not None
+        if streaming == fixed or (fixed and (self.epochs is None or self.num_examples is None)):
+            raise ValueError(
+                "give either `steps` (fresh random strings every step) or both `epochs` and `num_examples` "
+                f"(a fixed training set), got steps={self.steps}, epochs={self.epochs}, num_examples={self.num_examples}"
+            )
+        return self
+
+    @property
+    def total_steps(self) -> int:
+        if self.steps is not None:
+            return self.steps
+        return self.epochs * -(-self.num_examples // self.batch_size)
+
+
+class LoraSettings(_Strict):
+    """A peft LoRA adapter trained on the base (which stays frozen)."""
+
+    rank: int = Field(8, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    training: TrainingSettings
+
+
+class ExpertTraining(_Strict):
+    """How experts are made: fine-tuned from the base (full and LoRA), or trained from scratch (the paper)."""
+
+    init: Literal["base", "scratch"] = "base"
+    full: TrainingSettings
+    lora: LoraSettings | None = None
+    # Skill name -> LoRA settings that replace `lora` for that skill's adapter only (a skill the
+    # adapter needs a larger budget for). Left out of dumps when empty, so hashes stay as they were;
+    # the other adapters' recipes, and so their cached checkpoints, are unchanged.
+    lora_per_skill: dict[str, LoraSettings] = Field(default_factory=dict, exclude_if=lambda value: not value)
+
+    @model_validator(mode="after")
+    def _lora_needs_base(self):
+        if self.init == "scratch" and self.lora is not None:
+            raise ValueError("`lora` needs experts fine-tuned from the base (`init: base`); got `init: scratch`")
+        if self.lora_per_skill and self.lora is None:
+            raise ValueError(
+                f"`lora_per_skill` (for {sorted(self.lora_per_skill)}) overrides `lora`, which is not set; "
+                "set `lora` too, or drop `lora_per_skill`"
+            )
+        return self
+
+    def lora_for(self, skill: str) -> LoraSettings | None:
+        """The LoRA settings of `skill`'s adapter: its `lora_per_skill` entry, else `lora`."""
+        return self.lora_per_skill.get(skill, self.lora)
+
+
+class TrainingPlan(_Strict):
+    seed: int = Field(0, ge=0)
+    base: TrainingSettings
+    experts: ExpertTraining
+
+
+class EvaluationSettings(_Strict):
+    """Held-out data. Main splits use strings of `length`; `lengths` are the per-length curves."""
+
+    seed: int = Field(1234, ge=0)  # numpy's default_rng takes no negative seed
+    length: int | None = Field(None, ge=1)  # default: the longest training length
+    joint_size: int = Field(1000, ge=1)
+    split_size: int = Field(500, ge=1)  # each single-skill split and `neither`
+    validation_size: int = Field(200, ge=1)  # per main split, for choosing merge hyperparameters
+    lengths: list[int] = Field(default_factory=lambda: [8, 16, 24, 32, 48, 64])
+    length_size: int = Field(300, ge=1)
+    batch_size: int = Field(256, ge=1)
+    greedy_check: int = Field(32, ge=0)  # examples per system and length split decoded greedily
+
+    @field_validator("lengths")
+    @classmethod
+    def _sorted_lengths(cls, value):
+        if len(value) == 0 or any(length < 1 for length in value) or len(set(value)) != len(value):
+            raise ValueError(f"`lengths` must be distinct positive integers, got {value}")
+        return sorted(value)
+
+
+class MergeGrid(_Strict):
+    """Candidate hyperparameters of one merge method; every combination is tried on validation."""
+
+    lam: list[float] | None = None
+    density: list[float] | None = None
+    drop_rate: list[float] | None = None
+
+    def candidates(self) -> list[dict[str, float]]:
+        grid = [{}]
+        for name in ("lam", "density", "drop_rate"):
+            values = getattr(self, name)
+            if values is not None:
+                if len(values) == 0:
+                    raise ValueError(f"`{name}` must list at least one value, got []")
+                grid = [{**point, name: value} for point in grid for value in values]
+        return grid
+
+
+def check_merge_grids(grids: dict[str, MergeGrid]) -> dict[str, MergeGrid]:
+    """Every method is in `mergecompose.merging.METHODS` and every grid point is valid for it (before any training)."""
+    unknown = sorted(set(grids) - set(METHODS))
+    if unknown:
+        raise ValueError(f"unknown merge methods {unknown}; valid: {sorted(METHODS)}")
+    for method, grid in grids.items():
+        for params in grid.candidates():
+            try:
+                validate_merge_params(method, params)
+            except ValueError as error:
+                raise ValueError(f"`merges.{method}`: {error}") from None
+    return grids
+
+
+def check_some_merge_grids(grids: dict[str, MergeGrid]) -> dict[str, MergeGrid]:
+    """`check_merge_grids`, and at least one method (a sweep that picks the best merge needs one)."""
+    if not grids:
+        raise ValueError(f"`merges` must name at least one method; valid: {sorted(METHODS)}")
+    return check_merge_grids(grids)
+
+
+def _default_merges() -> dict[str, MergeGrid]:
+    lams = [0.5, 0.75, 1.0, 1.25, 1.5]
+    return {
+        "linear": MergeGrid(),
+        "task_arithmetic": MergeGrid(lam=lams),
+        "ties": MergeGrid(lam=lams, density=[0.2, 0.5, 0.8]),
+        "dare_ties": MergeGrid(lam=lams, drop_rate=[0.2, 0.5, 0.8]),
+    }
+
+
+class CompareConfig(_Strict):
+    """Everything `mergecompose compare` needs; the resolved config is written beside the results."""
+
+    name: str = "letters"
+    # The model registered for `task.type` (`mergecompose.experiments.registry`); letters when no type is given.
+    task: SerializeAsAny[BaseModel] = Field(default_factory=lambda: validate_task({}, DEFAULT_TASK_TYPE))
+    positions: PositionSettings = Field(default_factory=PositionSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
+    training: TrainingPlan
+    evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
+    merges: dict[str, MergeGrid] = Field(default_factory=_default_merges)
+    seed_merges: int = Field(0, ge=0)  # DARE's random drop seed
+    # Named remedy sets (`mergecompose.experiments.remedies`), each evaluated as one more system `compose+<name>`.
+    # Left out of dumps when empty, so configs without remedies keep their hashes.
+    remedies: dict[str, RemedySettings] = Field(default_factory=dict, exclude_if=lambda value: not value)
+    # Other settings of the same comparison, each evaluated beside this one: variant name ->
+    # overrides merged (recursively) into this config. Their systems are added to the results as
+    # `<variant>/<system>`; e.g. contiguous positions, where merging and composing differ.
+    # Left out of dumps when empty, so configs without variants keep their hashes.
+    variants: dict[str, dict] = Field(default_factory=dict, exclude_if=lambda value: not value)
+
+    @field_validator("task", mode="before")
+    @classmethod
+    def _task(cls, value):
+        return validate_task(value, DEFAULT_TASK_TYPE)
+
+    @field_validator("merges")
+    @classmethod
+    def _known_methods(cls, value):
+        return check_merge_grids(value)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.task.formulation == "aligned" and self.positions.scheme == "coupled":
+            raise ValueError("`positions.scheme: coupled` is for seq2seq; the aligned formulation needs `contiguous`")
+        self.task.check_config(self)
+        longest = max([*self.evaluation.lengths, self.eval_length, self.task.train_lengths[1]])
+        # seq2seq: room for the tokens greedy decoding may generate past the target (the task's margin).
+        needed = self.slots_needed(longest) + (
+            self.task.generation_margin() if self.task.formulation == "seq2seq" else 0
+        )
+        if needed > self.positions.max_position:
+            raise ValueError(
+                f"`positions.max_position` = {self.positions.max_position} is too small for strings of length "
+                f"{longest} (needs {needed})"
+            )
+        if self.positions.max_position > self.model.max_position_embeddings:
+            raise ValueError(
+                f"`positions.max_position` ({self.positions.max_position}) exceeds "
+                f"`model.max_position_embeddings` ({self.model.max_position_embeddings})"
+            )
+        experts = self.training.experts
+        for where, lora in [
+            ("lora", experts.lora),
+            *((f"lora_per_skill.{k}", v) for k, v in experts.lora_per_skill.items()),
+        ]:
+            targets = LORA_TARGETS[self.model.architecture]
+            if lora is not None and lora.target_modules != "all-linear":
+                wrong = [name for name in lora.target_modules if name.rsplit(".", 1)[-1] not in targets]
+                if wrong:
+                    raise ValueError(
+                        f"`training.experts.{where}.target_modules` names {wrong}, which are not linear layers of "
+                        f"{self.model.architecture}; valid: {list(targets)} or 'all-linear'"
+                    )
+        known = self.task.skill_names()
+        unknown = sorted(set(self.training.experts.lora_per_skill) - set(known))
+        if unknown:
+            raise ValueError(f"`training.experts.lora_per_skill` names unknown skills {unknown}; valid: {known}")
+        if self.training.experts.init == "scratch" and self.merges:
+            raise ValueError(
+                "merges need experts fine-tuned from the base (`training.experts.init: base`); "
+                "with `init: scratch` set `merges: {}`"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _valid_variants(self):
+        self.variant_configs()  # every variant is validated with the config, before any training
+        return self
+
+    def variant_configs(self) -> dict[str, CompareConfig]:
+        """Each variant as a full config: this one's settings with the variant's overrides merged in."""
+        resolved = {}
+        for name, overrides in self.variants.items():
+            if not name.isidentifier():
+                raise ValueError(f"variant names must be identifiers (they prefix system names), got {name!r}")
+            if "variants" in overrides or "name" in overrides:
+                raise ValueError(f"`variants.{name}` may not set `variants` or `name`, got keys {sorted(overrides)}")
+            data = deep_merge(self.model_dump(mode="json", exclude={"variants"}), overrides)
+            data["name"] = f"{self.name}/{name}"
+            try:
+                resolved[name] = CompareConfig.model_validate(data)
+            except ValidationError as error:
+                raise ValueError(f"`variants.{name}`: {validation_message(error)}") from None
+        return resolved
+
+    @property
+    def eval_length(self) -> int:
+        return self.evaluation.length or self.task.train_lengths[1]
+
+    def slots_needed(self, length: int) -> int:
+        if self.task.formulation == "aligned":
+            return length
+        if self.positions.scheme == "coupled":
+            return length + 1
+        return length + 2 + self.task.max_target_length(length)
+
+
+def deep_merge(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` merged in: nested mappings are merged key by key, other values replaced."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(path: str | Path) -> BaseModel:
+    """Read a YAML file with `yaml.safe_load` and validate it; errors name the file and the field.
+
+    The model is that of the compare kind registered for `task.type` (`mergecompose.experiments.registry.COMPARE_KINDS`,
+    e.g. `lm_eval`), else `CompareConfig` (the synthetic tasks).
+    """
+    task = read_yaml_mapping(path).get("task")
+    kind = COMPARE_KINDS.get(task.get("type")) if isinstance(task, dict) else None
+    return load_yaml_config(path, CompareConfig if kind is None else kind.config)
+
+
+def fingerprint(*parts) -> str:
+    """A short, stable hash of JSON-able parts (pydantic models are dumped first)."""
+    dumped = [part.model_dump(mode="json") if isinstance(part, BaseModel) else part for part in parts]
+    text = json.dumps(dumped, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -1,0 +1,432 @@
+"""The claim the toolkit exists to test: does output-space overlap predict when composition fails?
+
+A sweep over pairs of letter-replacement experts whose rules overlap from not at all (`ab` + `cd`)
+to fully (`ab` + `ac`). The base and every expert are trained once by `tasks` (cached by hash
+under `DIR/checkpoints`); for each pair:
+
+* the diagnostics (`mergecompose.experiments.letters.overlap.measure_letter_pair`), teacher-forced on held-out strings
+  where both skills are active, with the median centre and the base-weighted median centre;
+* the composed model's joint-task accuracy, by real greedy decoding: an output is correct when
+  it has the right length and every character is one the pair allows (the joint target; where
+  the two maps conflict, either letter);
+* the best merge's accuracy: every (method, λ, density) of `merges` is tried on a validation
+  set of the pair's strings; the best one is scored on the test strings.
+
+Across pairs: the Spearman correlation of overlap with composition error (and with merge
+error), a scatter plot, and the 2×2 table of overlap low/high × linearization error low/high
+against composition and merge success. The pair's linearization error is its merge-vs-compose
+gap `KL(q ‖ m)` at λ = 1: the deviation from `z(θ_b+τ_a+τ_b) = z_b + Δz_a + Δz_b`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from tqdm.auto import tqdm
+
+from mergecompose.analysis.report import format_number, json_safe
+from mergecompose.analysis.streaming import OverlapSettings
+from mergecompose.composition import ComposedLM
+from mergecompose.core.io import atomic_write_text, markdown_table, read_yaml_mapping
+from mergecompose.experiments.components import prepare_components
+from mergecompose.experiments.config import (
+    CompareConfig,
+    MergeGrid,
+    check_some_merge_grids,
+    deep_merge,
+    fingerprint,
+)
+from mergecompose.experiments.evaluate import ComposedSystem, EvalSet, ModelSystem, greedy_outputs
+from mergecompose.experiments.letters.overlap import measure_letter_pair, pair_replacements, pair_strings
+from mergecompose.experiments.letters.sweep_stats import plot_overlap_against_error, spearman, two_by_two
+from mergecompose.experiments.merge_selection import merged_model, search_merges
+from mergecompose.experiments.run_folder import hold_run_folder
+
+
+def _default_merges() -> dict[str, MergeGrid]:
+    return {
+        "task_arithmetic": MergeGrid(lam=[0.5, 0.75, 1.0, 1.25]),
+        "ties": MergeGrid(lam=[0.75, 1.0, 1.25, 1.5], density=[0.2, 0.5]),
+    }
+
+
+class SweepConfig(BaseModel):
+    """An overlap sweep on the letter task.
+
+    * `compare`: a `mergecompose compare` YAML (e.g. configs/letters.yaml) giving the task
+      formulation, model, positions and training recipe; its skills are replaced by `skills`,
+      LoRA training is dropped (the sweep uses full fine-tunes).
+    * `skills`: name -> {source: replacement}; `pairs`: the expert pairs, by skill name.
+    * `test_strings`, `validation_strings`: held-out strings per pair (both skills active).
+    * `success_threshold`: a system succeeds on a pair when its joint accuracy is ≥ this.
+    * `compare_overrides`: values merged (recursively) into the compare YAML before it is
+      validated, e.g. `{training: {experts: {full: {steps: 25}}}}` for under-trained experts.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "overlap_sweep"
+    compare: str
+    compare_overrides: dict = Field(default_factory=dict)
+    skills: dict[str, dict[str, str]]
+    pairs: list[tuple[str, str]] = Field(min_length=1)
+    test_strings: int = Field(300, ge=1)
+    validation_strings: int = Field(100, ge=1)
+    merges: dict[str, MergeGrid] = Field(default_factory=_default_merges)
+    success_threshold: float = Field(0.9, ge=0, le=1)
+    settings: OverlapSettings = Field(default_factory=OverlapSettings)
+    seed: int = 0
+
+    @field_validator("merges")
+    @classmethod
+    def _known_methods(cls, value):
+        return check_some_merge_grids(value)
+
+    @model_validator(mode="after")
+    def _pairs_name_skills(self):
+        for a, b in self.pairs:
+            for name in (a, b):
+                if name not in self.skills:
+                    raise ValueError(
+                        f"pair ({a!r}, {b!r}) names skill {name!r}, which `skills` does not define; skills: {sorted(self.skills)}"
+                    )
+            if a == b:
+                raise ValueError(f"pair ({a!r}, {b!r}) repeats one skill; give two skills (they may share a map)")
+        return self
+
+    def compare_config(self):
+        """The `tasks` config that trains the base and every skill (validated by `mergecompose.experiments.config`)."""
+        data = deep_merge(read_yaml_mapping(self.compare, "`compare` config"), self.compare_overrides)
+        data["task"] = {**data.get("task", {}), "skills": self.skills, "joint": list(self._compatible_pair())}
+        data["training"]["experts"] = {k: v for k, v in data["training"]["experts"].items() if k != "lora"}
+        data["merges"] = {}
+        return CompareConfig.model_validate(data)
+
+    def _compatible_pair(self) -> tuple[str, str]:
+        # tasks' LetterTask needs a non-conflicting joint pair; it only shapes its own splits.
+        for a, b in self.pairs:
+            if not pair_replacements(self.skills[a], self.skills[b])[1]:
+                return a, b
+        raise ValueError("`pairs` must include at least one pair whose maps do not conflict")
+
+
+def conflict_choices(
+    outputs: list[str], sources: list[str], replace_a: dict[str, str], replace_b: dict[str, str]
+) -> dict:
+    """Where the two maps conflict: how often each output letter was written, over all such positions."""
+    _, conflicts = pair_replacements(replace_a, replace_b)
+    counts: dict[str, int] = {}
+    for output, text in zip(outputs, sources):
+        for position, character in enumerate(text):
+            if character in conflicts:
+                written = output[position] if position < len(output) else "<none>"
+                counts[written] = counts.get(written, 0) + 1
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def allowed_outputs(text: str, replace_a: dict[str, str], replace_b: dict[str, str]) -> list[set[str]]:
+    """Per character of `text`, the output letters the pair allows: the joint target, either letter on a conflict."""
+    prefix_map, conflicts = pair_replacements(replace_a, replace_b)
+    return [conflicts.get(c, {prefix_map.get(c, c)}) for c in text]
+
+
+def joint_accuracy(
+    outputs: list[str], sources: list[str], replace_a: dict[str, str], replace_b: dict[str, str]
+) -> float:
+    """Share of outputs of the right length whose every character is allowed (`allowed_outputs`)."""
+    correct = 0
+    for output, text in zip(outputs, sources, strict=True):
+        allowed = allowed_outputs(text, replace_a, replace_b)
+        correct += len(output) == len(text) and all(c in ok for c, ok in zip(output, allowed))
+    return correct / len(sources)
+
+
+def greedy_pair_outputs(system, sources, fmt, tokenizer, batch_size) -> list[str]:
+    """`system`'s greedy outputs on letter strings of one length (`mergecompose.experiments.evaluate.greedy_outputs`)."""
+    eval_set = EvalSet("pair", len(sources[0]), tuple(sources), tuple(sources))
+    return greedy_outputs(system, eval_set, fmt, tokenizer, batch_size)
+
+
+def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool = False, progress: bool = True) -> dict:
+    """Train (or load) every expert, measure every pair, write sweep.json, sweep.md, overlap_vs_error.png, config.yaml.
+
+    `out_dir/checkpoints` is kept between runs (reused by hash). Results of another config in
+    `out_dir` are refused unless `overwrite`; a folder that another run is writing is refused at once.
+    """
+    started = time.perf_counter()
+    out_dir = Path(out_dir)
+    compare = config.compare_config()
+    if compare.task.formulation != "seq2seq":
+        raise ValueError(
+            f"the sweep decodes greedily and needs the seq2seq formulation, got {compare.task.formulation!r}"
+        )
+    config_hash = fingerprint(config.model_dump(mode="json"), compare)
+    with hold_run_folder(out_dir):
+        results_path = out_dir / "sweep.json"
+        if results_path.is_file() and not overwrite:
+            previous = json.loads(results_path.read_text()).get("config_hash")
+            if previous != config_hash:
+                raise FileExistsError(
+                    f"{out_dir} holds a sweep of another config (hash {previous}); pass overwrite=True"
+                )
+        return _run_sweep_locked(config, compare, config_hash, out_dir, progress, started)
+
+
+def _run_sweep_locked(
+    config: SweepConfig, compare: CompareConfig, config_hash: str, out_dir: Path, progress: bool, started: float
+) -> dict:
+    components = prepare_components(compare, out_dir, progress)
+    task = compare.task.letter_task()
+    fmt, tokenizer = components.format, components.tokenizer
+    batch_size, length = compare.evaluation.batch_size, compare.eval_length
+    base = components.load_base()
+    experts = {name: components.load_expert(name) for name in sorted({n for pair in config.pairs for n in pair})}
+
+    rows, pairs = [], {}
+    for index, (name_a, name_b) in enumerate(tqdm(config.pairs, desc="pairs", disable=not progress)):
+        replace_a, replace_b = config.skills[name_a], config.skills[name_b]
+        seed = config.seed + 1000 * index
+        test = pair_strings(task, name_a, name_b, length, config.test_strings, seed)
+        validation = pair_strings(task, name_a, name_b, length, config.validation_strings, seed + 1, exclude=test)
+        pair_experts = {name_a: experts[name_a], name_b: experts[name_b]}
+
+        diagnostics = {
+            centre: measure_letter_pair(
+                base,
+                pair_experts,
+                config.skills,
+                fmt,
+                tokenizer,
+                test,
+                settings=config.settings.model_copy(update={"centre": centre}),
+                batch_size=batch_size,
+                rollouts=centre == config.settings.centre,
+            )
+            for centre in ("median", "base_weighted_median")
+        }
+        composed = ComposedLM(base, [experts[name_a], experts[name_b]], names=[name_a, name_b])
+        compose_outputs = greedy_pair_outputs(ComposedSystem("compose", composed), test, fmt, tokenizer, batch_size)
+        compose_accuracy = joint_accuracy(compose_outputs, test, replace_a, replace_b)
+        own = {
+            name: joint_accuracy(
+                greedy_pair_outputs(ModelSystem(name, experts[name]), test, fmt, tokenizer, batch_size),
+                test,
+                rule,
+                rule,
+            )
+            for name, rule in ((name_a, replace_a), (name_b, replace_b))
+        }
+
+        def validation_accuracy(
+            method, model, validation=validation, replace_a=replace_a, replace_b=replace_b
+        ) -> float:
+            outputs = greedy_pair_outputs(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
+            return joint_accuracy(outputs, validation, replace_a, replace_b)
+
+        pair_models = [experts[name_a], experts[name_b]]
+        grids = {method: grid.candidates() for method, grid in config.merges.items()}
+        candidates = search_merges(base, pair_models, grids, validation_accuracy, seed=0, progress=False)
+        best = max(candidates, key=lambda c: c["score"])  # first one on ties
+        best_model = merged_model(base, pair_models, best["method"], best["params"], seed=0)
+        merge_outputs = greedy_pair_outputs(ModelSystem("merge", best_model), test, fmt, tokenizer, batch_size)
+        merge_accuracy = joint_accuracy(merge_outputs, test, replace_a, replace_b)
+
+        key = f"{name_a}+{name_b}"
+        pairs[key] = {
+            "skills": {name_a: replace_a, name_b: replace_b},
+            "compose_accuracy": compose_accuracy,
+            "merge_accuracy": merge_accuracy,
+            "merge_chosen": {"method": best["method"], **best["params"], "validation": best["score"]},
+            "merge_validation": [{"method": c["method"], **c["params"], "validation": c["score"]} for c in candidates],
+            "expert_own_skill_accuracy": own,
+            "conflict_choices": {
+                "compose": conflict_choices(compose_outputs, test, replace_a, replace_b),
+                "merge": conflict_choices(merge_outputs, test, replace_a, replace_b),
+            },
+            "examples": [
+                {"source": text, "compose": c, "merge": m}
+                for text, c, m in list(zip(test, compose_outputs, merge_outputs))[:5]
+            ],
+            "diagnostics": diagnostics,
+        }
+        rows.append(_row(key, name_a, name_b, pairs[key]))
+
+    results = {
+        "config": config.model_dump(mode="json"),
+        "config_hash": config_hash,
+        "compare_config": compare.model_dump(mode="json"),
+        "rows": rows,
+        "pairs": pairs,
+        "statistics": _statistics(rows, config.success_threshold),
+        "training": components.training,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    _write(out_dir, results, config)
+    return results
+
+
+def _row(key: str, name_a: str, name_b: str, record: dict) -> dict:
+    """One flat row per pair: the measures the statistics use."""
+    row = {"pair": key, "conflict": bool(record["diagnostics"]["median"]["conflicting_letters"])}
+    for centre, suffix in (("median", ""), ("base_weighted_median", "_weighted")):
+        report = record["diagnostics"][centre]["teacher_forced"]
+        pair = report["pairs"][f"{name_a}|{name_b}"]
+        row[f"mass_overlap{suffix}"] = pair["mass_overlap"]
+        row[f"sign_conflict{suffix}"] = pair["sign_conflict"]
+        row[f"support_jaccard{suffix}"] = pair["support_jaccard"]
+    report = record["diagnostics"]["median"]["teacher_forced"]
+    pair = report["pairs"][f"{name_a}|{name_b}"]
+    row.update(
+        coactivation_rate=report["coactivation_rate"],
+        projective_error=report["projective_error"]["single_active"],
+        projective_error_active=max((e["projective_error_active"] or 0.0) for e in report["experts"].values()),
+        linearization_error=report["merge_compose_gap"]["kl_mean"],
+        top1_agreement=report["merge_compose_gap"]["top1_agreement"],
+        interaction_residual_relative=report["merge_compose_gap"].get("interaction_residual_relative"),
+        parameter_cosine=pair["parameter"]["cosine"],
+        ties_sign_conflict=pair["parameter"]["ties_sign_conflict"],
+        trimmed_mask_jaccard=pair["parameter"]["trimmed_mask_jaccard"],
+        compose_accuracy=record["compose_accuracy"],
+        merge_accuracy=record["merge_accuracy"],
+        compose_error=1 - record["compose_accuracy"],
+        merge_error=1 - record["merge_accuracy"],
+        merge_method=record["merge_chosen"]["method"],
+        experts_own_min=min(record["expert_own_skill_accuracy"].values()),
+    )
+    return row
+
+
+def _statistics(rows: list[dict], success_threshold: float) -> dict:
+    correlations = {
+        f"{x} vs {y}": spearman(rows, x, y)
+        for x, y in [
+            ("mass_overlap", "compose_error"),
+            ("mass_overlap_weighted", "compose_error"),
+            ("sign_conflict", "compose_error"),
+            ("coactivation_rate", "compose_error"),
+            ("projective_error", "compose_error"),
+            ("mass_overlap", "merge_error"),
+            ("mass_overlap_weighted", "merge_error"),
+            ("linearization_error", "merge_error"),
+            ("trimmed_mask_jaccard", "mass_overlap"),
+            ("parameter_cosine", "mass_overlap"),
+            ("ties_sign_conflict", "sign_conflict"),
+        ]
+    }
+    return {
+        "spearman": correlations,
+        "two_by_two": two_by_two(
+            rows, "mass_overlap", "linearization_error", "compose_accuracy", "merge_accuracy", success_threshold
+        ),
+        "two_by_two_weighted": two_by_two(
+            rows,
+            "mass_overlap_weighted",
+            "linearization_error",
+            "compose_accuracy",
+            "merge_accuracy",
+            success_threshold,
+        ),
+    }
+
+
+def _write(out_dir: Path, results: dict, config: SweepConfig) -> None:
+    files = {
+        "sweep.json": json.dumps(json_safe(results), indent=1, allow_nan=False),
+        "sweep.md": sweep_markdown(results),
+        "config.yaml": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
+    }
+    for name, text in files.items():
+        atomic_write_text(out_dir / name, text)
+    for x_key, file in (
+        ("mass_overlap", "overlap_vs_error.png"),
+        ("mass_overlap_weighted", "overlap_weighted_vs_error.png"),
+    ):
+        rho = {
+            kind: results["statistics"]["spearman"][f"{x_key} vs {kind}_error"]["rho"] for kind in ("compose", "merge")
+        }
+        shown = {kind: "undefined" if value is None else f"{value:.2f}" for kind, value in rho.items()}
+        plot_overlap_against_error(
+            results["rows"],
+            x_key,
+            {"composition": "compose_error", "best merge": "merge_error"},
+            out_dir / file,
+            f"{x_key} against joint-task error; Spearman ρ: composition {shown['compose']}, merge {shown['merge']}",
+        )
+
+
+def sweep_markdown(results: dict) -> str:
+    """sweep.md: the per-pair table, the correlations and the 2×2 tables."""
+
+    columns = [
+        ("pair", "pair"),
+        ("conflict", "conflict"),
+        ("O (median)", "mass_overlap"),
+        ("O (weighted)", "mass_overlap_weighted"),
+        ("sign conflict", "sign_conflict"),
+        ("co-active", "coactivation_rate"),
+        ("proj. err.", "projective_error"),
+        ("KL(q‖m)", "linearization_error"),
+        ("cos τ", "parameter_cosine"),
+        ("TIES conflict", "ties_sign_conflict"),
+        ("mask Jaccard", "trimmed_mask_jaccard"),
+        ("experts own", "experts_own_min"),
+        ("compose acc.", "compose_accuracy"),
+        ("merge acc.", "merge_accuracy"),
+        ("merge", "merge_method"),
+    ]
+    lines = [
+        f"# Overlap sweep: {results['config']['name']}",
+        "",
+        f"{len(results['rows'])} pairs; {results['seconds']} s.",
+        "",
+    ]
+    lines += markdown_table(
+        [c for c, _ in columns], [[row[key] for _, key in columns] for row in results["rows"]], cell=format_number
+    ).splitlines()
+    lines += ["", "## Spearman correlations", ""]
+    lines += markdown_table(
+        ["x vs y", "ρ", "p", "n"],
+        [[name, c["rho"], c["p_value"], c["n"]] for name, c in results["statistics"]["spearman"].items()],
+        cell=format_number,
+    ).splitlines()
+    for key, title in (("two_by_two", "median centre"), ("two_by_two_weighted", "base-weighted median centre")):
+        table = results["statistics"][key]
+        lines += [
+            "",
+            f"## 2×2: overlap ({title}) × linearization error KL(q‖m), against success (accuracy ≥ {table['success_threshold']})",
+            "",
+            f"Splits at the medians: overlap {format_number(table['overlap_split'])}, linearization {format_number(table['linearization_split'])}.",
+            "",
+        ]
+        lines += markdown_table(
+            ["cell", "n", "compose success", "merge success", "compose acc. mean", "merge acc. mean", "pairs"],
+            [
+                [
+                    cell,
+                    c["n"],
+                    c["compose_success"],
+                    c["merge_success"],
+                    c["compose_accuracy_mean"],
+                    c["merge_accuracy_mean"],
+                    ", ".join(c["pairs"]),
+                ]
+                for cell, c in table["cells"].items()
+            ],
+            cell=format_number,
+        ).splitlines()
+    choices = {
+        key: record["conflict_choices"]
+        for key, record in results["pairs"].items()
+        if record["conflict_choices"]["compose"]
+    }
+    if choices:
+        lines += ["", "## Conflicting letters: what each system wrote there", ""]
+        for key, record in choices.items():
+            lines.append(f"- **{key}**: compose {record['compose']}, merge {record['merge']}")
+    lines.append("")
+    return "\n".join(lines)

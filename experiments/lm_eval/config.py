@@ -1,0 +1,280 @@
+"""The typed config of a `type: lm_eval` compare: given checkpoints, every merge and composition, lm-eval's tasks.
+
+    name: gemma2_mergebench
+    task:                                 # the lm-eval tasks and how lm-eval runs them
+      type: lm_eval
+      names: [gsm8k_cot, minerva_math, humaneval_plus, mbpp_plus]
+      include_path: null                  # a folder of your own task YAMLs (lm-eval's include_path)
+      limit: null                         # examples per task (null: all)
+      num_fewshot: null                   # null: each task's own
+      gen_kwargs: {do_sample: false}      # overrides of the tasks' generation settings
+    base: google/gemma-2-2b               # a checkpoint folder or hub id
+    experts:                              # name -> full checkpoint or peft adapter (folder or hub id)
+      math: MergeBench/gemma-2-2b_math
+      coding: MergeBench/gemma-2-2b_coding
+    compositions:                         # system name -> experts composed, weights, remedies
+      compose: {experts: [math, coding]}
+    merges:                               # method (mergecompose.merging.METHODS, run by mergekit) -> grid
+      task_arithmetic: {lam: [0.5, 1.0]}
+    merge_experts: null                   # the experts merged (null: all)
+    merge_selection: {task: gsm8k_cot, split: train, limit: 100}   # where grids with > 1 point are chosen
+    batch_size: 8
+    device: cuda
+    dtype: bfloat16
+    allow_code_execution: false           # code tasks (humaneval, mbpp) run model-written code
+
+Systems: `base`, `expert:<name>`, each composition under its own name, `merge:<method>`.
+Everything is checked at load time, before any model loads: every field and grid point (with
+mergekit's definitions, as `merge_checkpoints` will run it), that local folders exist and are
+checkpoints or adapters, that lm-eval knows every task, and that no code task runs without
+`allow_code_execution: true` (lm-eval's `confirm_run_unsafe_code`).
+
+`letters_run` takes the systems from a native letters compare run instead (see
+`mergecompose.experiments.letters.lm_eval_tasks.LettersRun`): fields left out are filled in from that run.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mergecompose.composition.remedies import RemedySettings
+from mergecompose.core import sources
+from mergecompose.core.sources import check_hub_id, check_model_source, hub_offline, is_local
+from mergecompose.experiments.config import MergeGrid, check_merge_grids
+from mergecompose.experiments.letters.lm_eval_tasks import LettersRun
+from mergecompose.experiments.lm_eval.catalog import check_task_names, task_kind, unsafe_tasks
+from mergecompose.merging import METHODS, CheckpointMergeConfig
+
+_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+RESERVED_PREFIXES = ("expert:", "merge:")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # every float is finite
+
+
+class LmEvalTaskSettings(_Strict):
+    """The `task:` block: lm-eval's task names (tasks, groups or tags) and how lm-eval runs them."""
+
+    type: Literal["lm_eval"]
+    names: list[str] = Field(default_factory=list)
+    include_path: str | None = None
+    limit: int | None = Field(None, ge=1)
+    num_fewshot: int | None = Field(None, ge=0)
+    gen_kwargs: dict[str, str | int | float | bool] | None = None
+
+    @field_validator("names")
+    @classmethod
+    def _distinct(cls, value):
+        if len(set(value)) != len(value) or any(not name for name in value):
+            raise ValueError(f"`names` must be distinct, non-empty lm-eval task names, got {value}")
+        return value
+
+    @field_validator("include_path")
+    @classmethod
+    def _folder(cls, value):
+        if value is not None and not Path(value).expanduser().is_dir():
+            raise ValueError(
+                f"`include_path` must be a folder of lm-eval task YAMLs, got {value!r}, which is not a folder"
+            )
+        return value
+
+
+class CompositionSettings(_Strict):
+    """One composition: `ComposedLM` of these experts (by name), with optional weights and remedies."""
+
+    experts: list[str] = Field(min_length=1)
+    weights: list[float] | None = None
+    remedies: RemedySettings | None = None
+
+    @model_validator(mode="after")
+    def _weights(self):
+        if len(set(self.experts)) != len(self.experts):
+            raise ValueError(f"`experts` must be distinct, got {self.experts}")
+        if self.weights is not None and len(self.weights) != len(self.experts):
+            raise ValueError(f"`weights` must hold one weight per expert ({len(self.experts)}), got {self.weights}")
+        return self
+
+
+class MergeSelection(_Strict):
+    """Where a merge grid with more than one point is chosen: an lm-eval task, optionally another split of it."""
+
+    task: str
+    split: str | None = None  # e.g. "train" or "validation": the task's test split is replaced by it
+    limit: int | None = Field(None, ge=1)
+    metric: str | None = None  # "exact_match" or lm-eval's "exact_match,strict-match"; default: the first
+
+
+class LmEvalCompareConfig(_Strict):
+    """Everything a `type: lm_eval` compare needs; the resolved config is written beside the results."""
+
+    name: str = "lm_eval"
+    task: LmEvalTaskSettings
+    base: str
+    experts: dict[str, str] = Field(default_factory=dict)
+    compositions: dict[str, CompositionSettings] = Field(default_factory=dict)
+    merges: dict[str, MergeGrid] = Field(default_factory=dict)
+    merge_experts: list[str] | None = None  # default: every expert
+    merge_selection: MergeSelection | None = None
+    seed_merges: int = Field(0, ge=0)  # DARE's random drop seed (mergekit's random_seed)
+    # Whose definitions the merges follow: mergekit's (`merge_checkpoints` on disk, the default), or
+    # the papers' (`mergecompose.merging.merge` in memory, as `mergecompose compare` merges, then saved): TIES and
+    # DARE differ between the two (see README, Merging).
+    merge_definitions: Literal["mergekit", "paper"] = "mergekit"
+    letters_run: LettersRun | None = None
+    batch_size: int = Field(8, ge=1)
+    device: str = "cpu"
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    allow_code_execution: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_letters_run(cls, data):
+        """Fields left out are taken from `letters_run` (its base, experts, composition and chosen merges)."""
+        if isinstance(data, dict) and isinstance(data.get("letters_run"), dict | LettersRun):
+            run = LettersRun.model_validate(data["letters_run"])
+            data = {**run.system_fields(), **data}
+        return data
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value):
+        if not _DEVICE.match(value):
+            raise ValueError(f"`device` must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {value!r}")
+        return value
+
+    @field_validator("base")
+    @classmethod
+    def _base(cls, value):
+        if not is_local(value):  # a hub id: its form now, whether it loads when the run starts (`check_hub_sources`)
+            check_hub_id(value, "base")
+            return value
+        return _check_base(value)
+
+    @field_validator("experts")
+    @classmethod
+    def _experts(cls, value):
+        for name, source in value.items():
+            if not name or "/" in name or name.startswith(RESERVED_PREFIXES):
+                raise ValueError(
+                    f"expert names must be non-empty, without '/' and not start with {RESERVED_PREFIXES}, got {name!r}"
+                )
+            source_kind(source, f"experts.{name}")
+        return value
+
+    @field_validator("merges")
+    @classmethod
+    def _merges(cls, value):
+        check_merge_grids(value)
+        offline = sorted(method for method in value if not METHODS[method].mergekit)
+        if offline:
+            raise ValueError(
+                f"merges are written by mergekit, which does not run {offline}; use one of "
+                f"{sorted(name for name, method in METHODS.items() if method.mergekit)}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        for name, composition in self.compositions.items():
+            if name == "base" or "/" in name or name.startswith(RESERVED_PREFIXES):
+                raise ValueError(
+                    f"`compositions` keys are system names: not 'base', without '/', not starting with "
+                    f"{RESERVED_PREFIXES}; got {name!r}"
+                )
+            self._known_experts(composition.experts, f"compositions.{name}.experts")
+        if self.merges:
+            merged = self.merged_experts()
+            self._known_experts(merged, "merge_experts")
+            for method, grid in self.merges.items():
+                for params in grid.candidates():  # with mergekit's definitions, as merge_checkpoints runs it
+                    self.merge_config(method, params, {name: self.experts[name] for name in merged})
+            if self.merge_selection is None and any(len(grid.candidates()) > 1 for grid in self.merges.values()):
+                raise ValueError(
+                    "a merge grid with more than one point needs `merge_selection` (the lm-eval task it is chosen on)"
+                )
+        if not self.task.names and self.letters_run is None:
+            raise ValueError("`task.names` must name at least one lm-eval task (or give `letters_run`)")
+        self.check_tasks()
+        return self
+
+    def _known_experts(self, names: list[str], where: str) -> None:
+        unknown = [name for name in names if name not in self.experts]
+        if unknown or not names:
+            raise ValueError(f"`{where}` must name experts of `experts` ({sorted(self.experts)}), got {names}")
+
+    def merged_experts(self) -> list[str]:
+        return list(self.experts) if self.merge_experts is None else list(self.merge_experts)
+
+    def merge_config(self, method: str, params: dict, experts: dict[str, str]) -> CheckpointMergeConfig:
+        """The mergekit merge of `experts` (name -> full checkpoint folder) at one grid point."""
+        seed = {"seed": self.seed_merges} if "drop_rate" in params else {}
+        return CheckpointMergeConfig.model_validate(
+            {
+                "method": method,
+                "base": self.base,
+                "experts": list(experts.values()),
+                "dtype": self.dtype,
+                **params,
+                **seed,
+            }
+        )
+
+    def include_paths(self) -> list[str]:
+        return [] if self.task.include_path is None else [self.task.include_path]
+
+    def check_tasks(self, extra_names: Sequence[str] = (), extra_paths: Sequence[str] = ()):
+        """lm-eval knows every task named (and `extra_names`, under `extra_paths` too); code tasks only with
+        `allow_code_execution`. Returns the lm-eval `TaskManager` that knows them (None when none is named)."""
+        names = [*self.task.names, *extra_names, *([self.merge_selection.task] if self.merge_selection else [])]
+        if not names:
+            return None
+        manager = check_task_names(list(dict.fromkeys(names)), [*self.include_paths(), *extra_paths])
+        if self.merge_selection is not None and self.merge_selection.split is not None:
+            kind = task_kind(manager, self.merge_selection.task)
+            if kind not in ("task", "py_task"):
+                raise ValueError(
+                    f"`merge_selection.split` replaces a task's test split; {self.merge_selection.task!r} "
+                    f"is a {kind}, name one of its tasks instead"
+                )
+        unsafe = unsafe_tasks(manager, names)
+        if unsafe and not self.allow_code_execution:
+            raise ValueError(
+                f"tasks {unsafe} execute model-written code; set `allow_code_execution: true` in the config to run them "
+                "(lm-eval's confirm_run_unsafe_code), preferably in a sandbox"
+            )
+        return manager
+
+
+def source_kind(value: str, where: str) -> Literal["checkpoint", "adapter", "hub"]:
+    """What a model source is: a local checkpoint folder, a local peft adapter folder, or a hub id.
+
+    Local values (`mergecompose.core.sources.is_local`) must be existing checkpoint or adapter folders.
+    A hub id is checked for its form only: a config names the same models wherever it is loaded,
+    and whether a hub id loads (offline: whether the hub cache holds it) is checked when the run
+    starts (`check_hub_sources`), before any work.
+    """
+    if is_local(value):
+        return sources.source_kind(value, where)
+    check_hub_id(value, where)
+    return "hub"
+
+
+def _check_base(value: str) -> str:
+    return check_model_source(value, "base", adapter_hint="give its base as `base` and the adapter under `experts`")
+
+
+def check_hub_sources(config: LmEvalCompareConfig) -> None:
+    """Offline (HF_HUB_OFFLINE), refuse at once a hub id that the hub cache does not hold; online, nothing to do."""
+    if not hub_offline():
+        return
+    if not is_local(config.base):
+        _check_base(config.base)
+    for name, source in config.experts.items():
+        if not is_local(source):
+            sources.source_kind(source, f"experts.{name}")

@@ -1,0 +1,202 @@
+"""The systems of a `type: lm_eval` compare as lm-eval models, and the merges they need, built on disk and cached.
+
+    base, expert:<name>   lm-eval's `hf` model (a peft adapter: `hf` with `peft=`, on the base)
+    <composition>         our `composed` model (`mergecompose.integrations.lm_eval.model`)
+    merge:<method>        `hf` on a merge in the run's cache: mergekit's (`mergecompose.merging.merge_checkpoints`), or with
+                          `merge_definitions: paper` the papers' (`mergecompose.merging.merge`, as `mergecompose compare` does)
+
+Merges and LoRA experts made dense live in `CACHE/` under a hash of their inputs (the method,
+its parameters, the dtype, the seed, and each source: a hub id, or a local folder's files with
+their sizes and modification times); a folder under its final name is complete (it is written
+beside it and renamed). A LoRA expert is merged from its ΔW: `TaskVector.from_lora` applied to
+the base and saved as a full checkpoint with the base's tokenizer, which mergekit then merges
+like any other checkpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mergecompose.composition.model import is_adapter_source
+from mergecompose.core.io import atomic_output_dir, manifest_problem, write_manifest
+from mergecompose.experiments.config import fingerprint
+from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig
+from mergecompose.merging import TaskVector, merge, merge_checkpoints
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class System:
+    """One system: an lm-eval model name and its `model_args`; `identity` is what its cached cells are keyed by."""
+
+    name: str
+    model: str  # "hf" or "composed"
+    model_args: dict
+    identity: dict = field(default_factory=dict)
+
+
+def slug(name: str) -> str:
+    """`name` as a file name: characters other than letters, digits, `.`, `+`, `-` and `=` become `_`."""
+    return re.sub(r"[^\w.+=-]", "_", name)
+
+
+def source_identity(source: str) -> dict:
+    """A local folder's resolved path and files (name, size, mtime), or a hub id: what a cached result depends on."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        files = sorted(
+            (item.name, item.stat().st_size, item.stat().st_mtime_ns) for item in path.iterdir() if item.is_file()
+        )
+        return {"folder": str(path.resolve()), "files": files}
+    return {"hub": source}
+
+
+def hf_system(
+    name: str, config: LmEvalCompareConfig, pretrained: str, peft: str | None = None, identity: dict | None = None
+) -> System:
+    args = {"pretrained": pretrained, "dtype": config.dtype, "device": config.device, "batch_size": config.batch_size}
+    if peft is not None:
+        args["peft"] = peft
+    if identity is None:
+        identity = {"pretrained": source_identity(pretrained), "peft": source_identity(peft) if peft else None}
+    settings = {key: value for key, value in args.items() if key not in ("pretrained", "peft")}  # paths: in `identity`
+    return System(name, "hf", args, {**settings, **identity})
+
+
+def single_systems(config: LmEvalCompareConfig) -> dict[str, System]:
+    """`base` and every `expert:<name>` (an adapter is scored on the base, as peft runs it)."""
+    systems = {"base": hf_system("base", config, config.base)}
+    for name, source in config.experts.items():
+        if is_adapter_source(source, f"experts.{name}"):
+            systems[f"expert:{name}"] = hf_system(
+                f"expert:{name}",
+                config,
+                config.base,
+                peft=source,
+                identity={"pretrained": source_identity(config.base), "peft": source_identity(source)},
+            )
+        else:
+            systems[f"expert:{name}"] = hf_system(f"expert:{name}", config, source)
+    return systems
+
+
+def composition_systems(config: LmEvalCompareConfig) -> dict[str, System]:
+    """Each composition as lm-eval's `composed` model (experts as folders or hub ids, `|`-free lists)."""
+    systems = {}
+    for name, composition in config.compositions.items():
+        args = {
+            "base": config.base,
+            "experts": [config.experts[expert] for expert in composition.experts],
+            "dtype": config.dtype,
+            "device": config.device,
+            "batch_size": config.batch_size,
+        }
+        if composition.weights is not None:
+            args["weights"] = list(composition.weights)
+        if composition.remedies is not None:  # RemedySettings.parse's string form
+            args["remedies"] = ";".join(
+                f"{key}:{value}" for key, value in composition.remedies.model_dump(exclude_none=True).items()
+            )
+        identity = {
+            "base": source_identity(config.base),
+            "experts": [source_identity(path) for path in args["experts"]],
+        }
+        systems[name] = System(name, "composed", args, {**args, **identity})
+    return systems
+
+
+@dataclass(frozen=True)
+class MergeBuild:
+    """One merge (a method at one grid point) and where it is, or will be, on disk."""
+
+    method: str
+    params: dict
+    key: str
+    folder: Path
+
+    def system(self, name: str, config: LmEvalCompareConfig) -> System:
+        # Keyed by the merge's inputs, so a cached cell needs no rebuilt merge.
+        return hf_system(name, config, str(self.folder), identity={"merge": self.key})
+
+
+def plan_merge(config: LmEvalCompareConfig, method: str, params: dict, cache: Path) -> MergeBuild:
+    """Where the merge of `config.merged_experts()` with `method` at `params` goes (nothing is built)."""
+    sources = [config.base, *(config.experts[name] for name in config.merged_experts())]
+    key = fingerprint(
+        {
+            "method": method,
+            "params": params,
+            "dtype": config.dtype,
+            "seed": config.seed_merges,
+            "sources": [source_identity(source) for source in sources],
+            **({"definitions": config.merge_definitions} if config.merge_definitions != "mergekit" else {}),
+        }
+    )
+    return MergeBuild(method, dict(params), key, cache / f"merge-{method}-{key}")
+
+
+def build_merge(config: LmEvalCompareConfig, build: MergeBuild, cache: Path) -> Path:
+    """The merged checkpoint folder of `build` (mergekit; LoRA experts made dense first), built unless cached."""
+    if _reusable(build.folder):
+        return build.folder
+    experts = {name: dense_checkpoint(config, name, cache) for name in config.merged_experts()}
+    if config.merge_definitions == "paper":
+        _merge_in_memory(config, build, list(experts.values()))
+    else:
+        options = {"device": config.device} if config.device != "cpu" else None
+        merge_checkpoints(
+            config.merge_config(build.method, build.params, experts), build.folder, overwrite=True, options=options
+        )
+    write_manifest(build.folder)  # last: an entry without one (a run killed before this line) is built again
+    return build.folder
+
+
+def _reusable(folder: Path) -> bool:
+    """Whether the cached checkpoint `folder` exists and agrees with its manifest; a damaged one is named in
+    a warning (and then built again by the caller)."""
+    if not folder.is_dir():
+        return False
+    problem = manifest_problem(folder)
+    if problem is not None:
+        warnings.warn(
+            f"cached checkpoint {folder.name} cannot be reused ({problem}); building it again",
+            UserWarning,
+            stacklevel=2,
+        )
+    return problem is None
+
+
+def _merge_in_memory(config: LmEvalCompareConfig, build: MergeBuild, experts: list[str]) -> None:
+    """`mergecompose.merging.merge` with the papers' definitions (as `mergecompose compare` merges), saved as a checkpoint with the base's tokenizer."""
+    dtype = DTYPES[config.dtype]
+    base = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype)
+    models = [AutoModelForCausalLM.from_pretrained(expert, dtype=dtype) for expert in experts]
+    state = merge(build.method, base, models, seed=config.seed_merges, progress=False, **build.params)
+    with atomic_output_dir(build.folder, overwrite=True) as folder:
+        base.load_state_dict(state)
+        base.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(config.base).save_pretrained(str(folder))
+
+
+def dense_checkpoint(config: LmEvalCompareConfig, name: str, cache: Path) -> str:
+    """Expert `name` as a full checkpoint folder: itself, or for a LoRA adapter the base + ΔW with the base's tokenizer."""
+    source = config.experts[name]
+    if not is_adapter_source(source, f"experts.{name}"):
+        return source
+    key = fingerprint({"base": source_identity(config.base), "adapter": source_identity(source), "dtype": config.dtype})
+    target = cache / f"dense-{slug(name)}-{key}"
+    if not _reusable(target):
+        with atomic_output_dir(target, overwrite=True) as folder:
+            base = AutoModelForCausalLM.from_pretrained(config.base, dtype=DTYPES[config.dtype])
+            base.load_state_dict(TaskVector.from_lora(base, source).apply_to(base.state_dict()))
+            base.save_pretrained(folder)
+            AutoTokenizer.from_pretrained(config.base).save_pretrained(str(folder))
+            write_manifest(folder)
+    return str(target)

@@ -1,0 +1,1 @@
+"""Integrations with other tools; each subpackage needs its optional extra and is imported by nothing below it."""

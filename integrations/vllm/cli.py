@@ -1,0 +1,40 @@
+"""`mergecompose vllm-model`: write the folder that serves a composition in vLLM (`mergecompose.integrations.vllm.folder`)."""
+
+from __future__ import annotations
+
+from mergecompose.core.cli_common import add_common_flags
+from mergecompose.integrations.vllm.folder import build_vllm_model
+
+
+def add_commands(subparsers) -> None:
+    command = subparsers.add_parser(
+        "vllm-model",
+        help="write a vLLM model folder that composes a base with experts (no checkpoint copy)",
+        description="Write a small folder (config.json, the base's tokenizer) that vLLM loads as one composed model: "
+        "`vllm serve DIR`, `LLM(model=DIR)`, `lm_eval --model vllm --model_args pretrained=DIR`. "
+        "Needs mergecompose installed beside vLLM (README, 'Serving with vLLM').",
+    )
+    command.add_argument(
+        "--base", required=True, metavar="DIR", help="the base model folder (safetensors and a tokenizer)"
+    )
+    command.add_argument(
+        "--expert",
+        required=True,
+        action="append",
+        metavar="DIR",
+        dest="experts",
+        help="an expert: a full checkpoint or a peft LoRA adapter of the base (repeat for each)",
+    )
+    command.add_argument(
+        "--weights", type=float, nargs="+", metavar="W", help="one exponent per expert (default 1.0 each)"
+    )
+    command.add_argument("--names", nargs="+", metavar="NAME", help="one name per expert (default: the folder names)")
+    add_common_flags(command, out="the model folder to write", out_required=True)
+    command.set_defaults(func=run_vllm_model)
+
+
+def run_vllm_model(args) -> int:
+    folder = build_vllm_model(args.out, args.base, args.experts, args.weights, args.names, overwrite=args.overwrite)
+    if not args.quiet:
+        print(f"wrote {folder}: serve it with `vllm serve {folder}` in an environment with vLLM and mergecompose")
+    return 0

@@ -1,0 +1,48 @@
+"""The task-type registry: one name each, a clear error for a duplicate or an unknown name, the protocol checked."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+from mergecompose.experiments import TASK_TYPES, CompareConfig, TaskType, get_task_type, load_config, register_task_type
+from mergecompose.experiments.letters import LettersTaskSettings
+from mergecompose.experiments.skills import SkillsTaskSettings
+
+
+def test_both_task_types_are_registered_and_satisfy_the_protocol():
+    assert dict(TASK_TYPES) == {"letters": LettersTaskSettings, "skills": SkillsTaskSettings}
+    assert isinstance(LettersTaskSettings(), TaskType)
+    assert get_task_type("skills") is SkillsTaskSettings
+
+
+def test_a_duplicate_name_is_an_error_and_leaves_the_registry_as_it_was():
+    with pytest.raises(ValueError, match="task type 'letters' is already registered"):
+        register_task_type("letters")(LettersTaskSettings)
+    assert TASK_TYPES["letters"] is LettersTaskSettings
+
+
+def test_an_unknown_name_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown task type 'sorting'; valid: \['letters', 'skills'\]"):
+        get_task_type("sorting")
+
+
+def test_a_type_missing_part_of_the_protocol_is_refused():
+    class Half(BaseModel):
+        type: str = "half"
+
+        def title(self) -> str:
+            return "half a task"
+
+    with pytest.raises(TypeError, match="lacks .*'eval_data'"):
+        register_task_type("half")(Half)
+    assert "half" not in TASK_TYPES
+
+
+def test_the_config_picks_the_model_by_type_and_defaults_to_letters():
+    letters = CompareConfig.model_validate({"training": {"base": {"steps": 1}, "experts": {"full": {"steps": 1}}}})
+    assert type(letters.task) is LettersTaskSettings
+    assert "type" not in letters.model_dump(mode="json")["task"]  # left out of dumps: hashes stay as they were
+    skills = load_config("configs/skills_k3_test.yaml")
+    assert type(skills.task) is SkillsTaskSettings and skills.model_dump(mode="json")["task"]["type"] == "skills"
+    assert CompareConfig.model_validate(skills.model_dump(mode="json")) == skills  # round trip
