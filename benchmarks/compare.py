@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def timed_compare(config: str, run_dir: Path) -> float:
-    command = [sys.executable, "-m", "mergecompose_cli", "compare", config, "--out", str(run_dir), "--quiet"]
+    command = [sys.executable, "-m", "mergecompose.cli", "compare", config, "--out", str(run_dir), "--quiet"]
     start = time.perf_counter()
     finished = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start

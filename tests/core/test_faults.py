@@ -59,7 +59,7 @@ TINY = {
 }
 COMPARE_FLAGS = ["--quiet", "--threads", "1"]
 LEFTOVER = re.compile(r"\.(tmp|old)-")
-_HELD = "import sys, mergecompose_cli; print('ready', flush=True); sys.stdin.readline(); sys.exit(mergecompose.cli.main(sys.argv[1:]))"
+_HELD = "import sys, mergecompose.cli; print('ready', flush=True); sys.stdin.readline(); sys.exit(mergecompose.cli.main(sys.argv[1:]))"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
