@@ -15,7 +15,7 @@ median tokens/s, ratios to `full` and to `base`, the acceptance rate a and token
 outputs of `full` and `full+spec` agree (in bfloat16 one pass over K+1 tokens and K+1 passes over one can round
 differently, so a near-tie may flip), and the peak GPU memory. Prints one JSON line (and writes it to `--out`).
 
-    python -m benchmarks.decode_gpu_gemma                 # H200: about 2 min (README: 2.06x full composition)
+    python -m benchmarks.decode_gpu_gemma                 # H200: figures in benchmarks/README.md
     python -m benchmarks.decode_gpu_gemma --tiny          # a 2-layer Gemma-2 in float32 on the CPU, to check the script
 """
 

@@ -40,24 +40,7 @@ the first run's cells (base, experts, compositions: same keys), so it evaluates 
         python -m benchmarks.gpu_lm_eval_gemma --merge paper --work /tmp/g   # both merges, one build
     HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 python -m benchmarks.gpu_lm_eval_gemma --tiny   # CPU, float32, tiny Gemma2
 
-Measured once on one NVIDIA H200 (torch 2.11.0+cu130, transformers 5.17.0, lm-eval 0.4.13, 16
-CPU threads), `--merge mergekit --work /tmp/glg` then `--merge paper --work /tmp/glg`, defaults
-otherwise (2,614 M parameters, 4.87 GiB of bf16 safetensors per checkpoint, 16 prompts of 64
-tokens, 32 new tokens, batch 8):
-
-| stage | wall s | peak GPU allocated GiB (reserved) |
-|---|---|---|
-| build and save base + 2 experts | 18.4 | 10.84 |
-| mergekit task arithmetic on cuda (compare's merges stage) | 9.4 | – |
-| base / expert:a / expert:b / merge (`hf`, load + both tasks) | 10.2 / 7.2 / 6.7 / 7.0 | 5.79 (≤ 8.85) |
-| compose (`composed`, base + 2 full experts, load + both tasks) | 23.5 | 19.04 (20.57) |
-| whole mergekit run (build, compare, 10 cells) | 85.5 | nvidia-smi peak 21,763 MiB |
-| paper task arithmetic (`mergecompose.merging.merge` on the host) | 34.0 | host peak RSS 61.8 GiB |
-| paper run (reused checkpoints and 8 cells, 2 cells evaluated) | 46.1 | 5.79 |
-
-The paper merge's host memory is about 25 bytes per parameter (float32 task vectors and
-merged tensors beside the bf16 models): on a 23 GiB machine it was killed at 0.67 B parameters.
-The mergekit run's host peak RSS was 21.7 GiB (checkpoints saved from the GPU, mergekit).
+The figures measured on one H200 are in benchmarks/README.md ("lm-eval compare at Gemma-2-2B's size").
 """
 
 from __future__ import annotations
