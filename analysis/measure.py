@@ -17,7 +17,8 @@ import torch
 from tqdm.auto import tqdm
 
 from mergecompose.analysis.parameters import parameter_overlap
-from mergecompose.analysis.streaming import OverlapAccumulator, OverlapReport, OverlapSettings
+from mergecompose.analysis.settings import OverlapSettings
+from mergecompose.analysis.streaming import OverlapAccumulator, OverlapReport
 from mergecompose.composition import ComposedLM, compose_with_remedies
 from mergecompose.composition.model import as_mask, as_token_ids
 from mergecompose.composition.rule import check_weights

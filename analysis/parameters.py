@@ -21,7 +21,7 @@ from collections.abc import Mapping
 
 import torch
 
-from mergecompose.analysis.reducers import pair_key
+from mergecompose.analysis.summaries import pair_key
 from mergecompose.merging.sparsify import magnitude_trim_global
 
 

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mergecompose.analysis.diagnostics import expert_activity
 from mergecompose.analysis.measure import batch_tensors, measure_overlap
-from mergecompose.analysis.streaming import OverlapSettings
+from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.composition import ComposedLM, compose_with_remedies
 from mergecompose.composition.rule import check_weights, compose_logprobs
 

@@ -17,7 +17,7 @@ from mergecompose.analysis.data import encode_records, make_batches, prompt_batc
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
 from mergecompose.analysis.predict import load_rule, recommend, unlabelled_diagnostics
 from mergecompose.analysis.report import write_outputs
-from mergecompose.analysis.streaming import OverlapSettings
+from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.composition import ComposedLM
 from mergecompose.composition.model import is_adapter_source
 from mergecompose.core.adapters import merged_adapter_model

@@ -1,11 +1,12 @@
 """Streaming reduction of the diagnostics: chunks of positions in, scalars and histograms out.
 
 `OverlapAccumulator.update` takes the component log-probs of one batch, computes what every
-measure needs once (`mergecompose.analysis.reducers.MeasuredBatch`, a few positions at a time, so that each
-pass over the vocabulary works in cache) and hands it to the small reducers of
-`mergecompose.analysis.reducers`, each with its own running sums, `update` and `report`. The batch is then
-dropped. Memory is O(k·V + k² + bins + reservoir), independent of the number of tokens: no
-`(N, V)` tensor for the whole data set is ever kept.
+measure needs once (`mergecompose.analysis.measured_batch.MeasuredBatch`, a few positions at a time,
+so that each pass over the vocabulary works in cache) and hands it to a list of small reducers
+(`mergecompose.analysis.reducers.Reducer`), each with its own running sums, `update` and `report`.
+The batch is then dropped. Memory is O(k·V + k² + bins + reservoir), independent of the number of
+tokens: no `(N, V)` tensor for the whole data set is ever kept. `report` joins the reducers' parts
+(`merge_reports`) into an `OverlapReport`.
 """
 
 from __future__ import annotations
@@ -16,21 +17,22 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from mergecompose.analysis.diagnostics import active_intervals
+from mergecompose.analysis.measured_batch import MeasuredBatch, SequenceBatch
 from mergecompose.analysis.reducers import (
     ActivityReducer,
-    ExampleReducer,
-    IntervalReducer,
+    KLHistogramReducer,
     LinearizationReducer,
-    MeasuredBatch,
     MergeGapReducer,
-    OverlapSettings,
     PairOverlapReducer,
-    PositionReservoir,
     ProjectiveErrorReducer,
-    SequenceBatch,
+    Reducer,
     TopTokenReducer,
     VocabularyReducer,
+    merge_reports,
 )
+from mergecompose.analysis.sequence_reducers import ExampleReducer, IntervalReducer
+from mergecompose.analysis.settings import OverlapSettings
+from mergecompose.analysis.summaries import PositionReservoir
 from mergecompose.composition.rule import check_weights, compose_logprobs
 
 
@@ -93,7 +95,8 @@ class OverlapReport:
 
 
 def _pick(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-    """`(*lead, B, T, V)` -> `(*lead, n, V)` at the flat positions `rows` (ascending): a view where they are contiguous."""
+    """`(*lead, B, T, V)` -> `(*lead, n, V)` at the flat positions `rows` (ascending); a view where they are
+    contiguous."""
     if tensor is None:
         return None
     flat = tensor.flatten(-3, -2)  # (*lead, B·T, V)
@@ -106,8 +109,9 @@ def _pick(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | Non
 class OverlapAccumulator:
     """Running reduction of the overlap diagnostics over batches of positions.
 
-    A thin composite: `update` checks the batch, computes the shared `MeasuredBatch` once and
-    passes it to each reducer; `report` assembles their reports into an `OverlapReport`.
+    A thin composite over `reducers`, a list of `Reducer`s: `update` checks the batch, computes the
+    shared `MeasuredBatch` (chunk by chunk) and `SequenceBatch` once and passes each to the reducers
+    that read it; `report` joins their parts with `merge_reports` into an `OverlapReport`.
 
     Args:
         expert_names: the k experts, in the order of the component tensors after the base.
@@ -145,27 +149,22 @@ class OverlapAccumulator:
         self.chunk_positions = chunk_positions
         self.positions = 0
         self.sequences = 0
-        self.activity = ActivityReducer(self.names, self.settings)
-        self.intervals = IntervalReducer(self.names)
-        self.pair_overlap = PairOverlapReducer(self.names)
-        self.top_tokens = TopTokenReducer(self.names, self.vocab_size, self.settings.top_tokens, decode)
-        self.projective = ProjectiveErrorReducer(self.names)
-        self.merge_gap = MergeGapReducer(self.weights, self.vocab_size)
-        self.linearization = LinearizationReducer(self.names, self.weights)
         self.examples = ExampleReducer(self.names, self.settings, decode)
-        self.vocabulary = VocabularyReducer(self.names, self.settings.candidates)
-        # Reducers of positions (`MeasuredBatch`) and of whole sequences (`SequenceBatch`).
-        self.position_reducers = [
-            self.activity,
-            self.pair_overlap,
-            self.top_tokens,
-            self.projective,
-            self.merge_gap,
-            self.linearization,
-            self.vocabulary,
+        # In the order their keys take in the report, within each expert's and each pair's statistics.
+        self.reducers: list[Reducer] = [
+            ActivityReducer(self.names, self.settings),
+            PairOverlapReducer(self.names),
+            IntervalReducer(self.names),
+            ProjectiveErrorReducer(self.names),
+            TopTokenReducer(self.names, self.vocab_size, self.settings.top_tokens, decode),
+            KLHistogramReducer(self.names),
+            LinearizationReducer(self.names, self.weights),
+            MergeGapReducer(self.weights, self.vocab_size),
+            VocabularyReducer(self.names, self.settings.candidates),
+            self.examples,
         ]
-        self.sequence_reducers = [self.intervals, self.examples]
-        self.reducers = [*self.position_reducers, *self.sequence_reducers]
+        self.position_reducers = [reducer for reducer in self.reducers if reducer.reads is MeasuredBatch]
+        self.sequence_reducers = [reducer for reducer in self.reducers if reducer.reads is SequenceBatch]
 
     @property
     def heatmap(self) -> list[dict]:
@@ -259,40 +258,12 @@ class OverlapAccumulator:
         self.sequences += int(mask.any(-1).sum())
 
     def report(self) -> OverlapReport:
-        """Assemble the reducers' reports into an `OverlapReport`; an error if no position was measured."""
+        """Join the reducers' parts into an `OverlapReport`; an error if no position was measured."""
         if self.positions == 0:
             raise ValueError(
                 "nothing to report: every `mask` given to `update` was all zero (0 positions measured); "
                 "its rates and means would be undefined"
             )
-        activity, intervals, projective = self.activity.report(), self.intervals.report(), self.projective.report()
-        top_tokens, linearization = self.top_tokens.report(), self.linearization.report()
-        projective_experts = projective.pop("experts")
-        experts = {
-            name: {
-                **activity["experts"][name],
-                **intervals["experts"][name],
-                **projective_experts[name],
-                "top_tokens": top_tokens[name],
-                "kl_histogram": activity["kl_histograms"][name],
-                **linearization.get(name, {}),
-            }
-            for name in self.names
-        }
-        pairs = {key: {**stats, **intervals["pairs"][key]} for key, stats in self.pair_overlap.report().items()}
-        examples = self.examples.report()
-        return OverlapReport(
-            num_positions=self.positions,
-            num_sequences=self.sequences,
-            settings=self.settings.model_dump(),
-            coactivation_rate=activity["coactivation_rate"],
-            coactivation_by_epsilon=activity["coactivation_by_epsilon"],
-            active_count_distribution=activity["active_count_distribution"],
-            experts=experts,
-            pairs=pairs,
-            projective_error=projective,
-            merge_compose_gap=self.merge_gap.report(),
-            heatmap=examples["heatmap"],
-            reservoir=examples["reservoir"],
-            vocabulary=self.vocabulary.report(),
-        )
+        own = {"num_positions": self.positions, "num_sequences": self.sequences, "settings": self.settings.model_dump()}
+        parts = [(type(self).__name__, own), *((type(reducer).__name__, reducer.report()) for reducer in self.reducers)]
+        return OverlapReport(**merge_reports(parts))

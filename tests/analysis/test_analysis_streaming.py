@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from mergecompose.analysis import diagnostics as dx
-from mergecompose.analysis.reducers import LogHistogram, OverlapSettings, PositionReservoir
+from mergecompose.analysis import measured_batch
 from mergecompose.analysis.report import json_text
+from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.analysis.streaming import OverlapAccumulator
+from mergecompose.analysis.summaries import LogHistogram, PositionReservoir
 from mergecompose.composition import compose_logprobs
 
 
@@ -279,8 +281,6 @@ def test_top_k_union_refuses_components_that_are_not_log_probs():
 
 
 def test_the_vocabulary_pass_falls_back_to_eager_when_compilation_fails(monkeypatch):
-    from mergecompose.analysis import reducers
-
     def broken_compile(function, **kwargs):
         def run(*args):
             raise RuntimeError("no C++ compiler")
@@ -290,8 +290,8 @@ def test_the_vocabulary_pass_falls_back_to_eager_when_compilation_fails(monkeypa
     components = _peaked_components(1)
     mask = torch.ones(components.shape[1:3], dtype=torch.bool)
     eager = _accumulate([components], [mask])
-    monkeypatch.setattr(reducers, "COMPILE_MIN_VOCAB", 1)
-    monkeypatch.setattr(reducers, "_compiled", {"function": None, "failed": False})
+    monkeypatch.setattr(measured_batch, "COMPILE_MIN_VOCAB", 1)
+    monkeypatch.setattr(measured_batch, "_compiled", {"function": None, "failed": False})
     monkeypatch.setattr(torch, "compile", broken_compile)
     with pytest.warns(UserWarning, match="torch.compile of the overlap's vocabulary pass failed"):
         fallen_back = _accumulate([components], [mask])
