@@ -383,7 +383,8 @@ def speculation_summary(runs: list[SpeculationStats], draft_tokens: int) -> dict
 
 
 def peak_rss_mb(args, system: str) -> float:
-    """Peak RSS (MiB; on CUDA, peak device memory) of a fresh process that builds only `system` and decodes batch 1 once."""
+    """Peak RSS (MiB; on CUDA, peak device memory) of a fresh process that builds only `system` and decodes batch 1
+    once."""
     command = [sys.executable, "-m", "benchmarks.decode", "--memory-child", system]
     for key in [
         "hidden",
@@ -451,7 +452,8 @@ def main(argv=None) -> int:
     }
     models = f"letters models of {args.letters}" if args.letters else f"{parameters / 1e6:.1f} M parameters"
     print(
-        f"decode benchmark: {models}, {args.dtype} on {args.device}, prompt {args.prompt_length if not args.letters else 'a letter string'}, "
+        f"decode benchmark: {models}, {args.dtype} on {args.device}, "
+        f"prompt {args.prompt_length if not args.letters else 'a letter string'}, "
         f"{bench.new_tokens} new tokens, median of {args.repeats}"
     )
     for batch in args.batch_sizes:

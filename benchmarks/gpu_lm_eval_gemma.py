@@ -140,7 +140,8 @@ def model_config(args) -> Gemma2Config:
 
 
 def characters(count: int) -> str:
-    """`count` distinct characters: ASCII letters, digits and space, then code points from U+4E00 on, surrogates skipped."""
+    """`count` distinct characters: ASCII letters, digits and space, then code points from U+4E00 on, surrogates
+    skipped."""
     extra, code = [], 0x4E00
     while len(ASCII) + len(extra) < count:
         if not 0xD800 <= code <= 0xDFFF:
@@ -264,7 +265,8 @@ def compare_config(args, paths: dict, tasks: Path) -> dict:
 
 
 class GpuPoller:
-    """nvidia-smi's used memory of the GPU, polled every `interval` seconds; `peak_mib` the largest seen (None without it)."""
+    """nvidia-smi's used memory of the GPU, polled every `interval` seconds; `peak_mib` the largest seen (None
+    without it)."""
 
     def __init__(self, interval: float = 0.2):
         self.interval, self.peak_mib, self.error = interval, None, None
@@ -489,7 +491,8 @@ def checkpoints(args, config: Gemma2Config, folder: Path) -> dict:
 
 
 def copy_cells(work: Path, run_dir: Path) -> str | None:
-    """Before a first run in `run_dir`: the cells of another run under `work` (base, experts, compositions are reused by key)."""
+    """Before a first run in `run_dir`: the cells of another run under `work` (base, experts, compositions are
+    reused by key)."""
     if run_dir.exists():
         return None
     for other in sorted(work.glob("run_*")):

@@ -171,7 +171,8 @@ def main(argv=None) -> int:
     print(markdown_table(header, table, pad=True))
     print(f"max |disk − memory| over all tensors: {results['max_abs_difference_disk_vs_memory']:.2e}")
     print(
-        f"target: disk peak RSS ≤ 0.5 × model size: {'met' if results['disk']['rss_over_model_size'] <= 0.5 else 'missed'}"
+        "target: disk peak RSS ≤ 0.5 × model size: "
+        f"{'met' if results['disk']['rss_over_model_size'] <= 0.5 else 'missed'}"
     )
     write_results(results, args.out)
     return 0

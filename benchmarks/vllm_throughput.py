@@ -118,9 +118,10 @@ def main(argv=None) -> int:
             system,
             f"{values['start_s']:.0f}",
             *[
-                f"{values['tokens_per_s'][batch][clock]:.1f} ({values['tokens_per_s'][batch][clock] / base[batch][clock]:.2f}×)"
+                f"{rate:.1f} ({rate / base[batch][clock]:.2f}×)"
                 for clock in ("wall", "cpu")
                 for batch in args.batches
+                for rate in [values["tokens_per_s"][batch][clock]]
             ],
         ]
         for system, values in results["systems"].items()

@@ -268,7 +268,8 @@ CASES = [
         "composed-api-adapter-for-another-base",
         "traceback",
         composed_api_adapter_for_another_base,
-        r"adapter `.*adapter_h48` was made for another base: its `.*lora_A\.weight` has shape \(4, \d+\), but the base's `.*\.weight` has shape \(32, \d+\)",
+        r"adapter `.*adapter_h48` was made for another base: its `.*lora_A\.weight` has shape \(4, \d+\), "
+        r"but the base's `.*\.weight` has shape \(32, \d+\)",
     ),
     Case(
         "overlap-cli-base-without-config",

@@ -416,7 +416,8 @@ CASES = [
         "merge-cli-hidden-size-mismatch",
         "misleading",
         merge_cli_hidden_size_mismatch,
-        r"shape mismatch for tensor `.*`: `base_model` .* has \(\d+, 32\), `models\[0\]\.model` .*other_h16_v64' has \(\d+, 16\)",
+        r"shape mismatch for tensor `.*`: `base_model` .* has \(\d+, 32\), "
+        r"`models\[0\]\.model` .*other_h16_v64' has \(\d+, 16\)",
     ),
     Case(
         "merge-cli-vocabulary-mismatch",
@@ -434,7 +435,8 @@ CASES = [
         "task-vector-cli-adapter-for-another-base",
         "misleading",
         task_vector_cli_adapter_for_another_base,
-        r"adapter .*adapter_h48.* was made for another base: its `.*` has shape \(4, \d+\), but the base's `.*` has shape \(32, \d+\)",
+        r"adapter .*adapter_h48.* was made for another base: its `.*` has shape \(4, \d+\), "
+        r"but the base's `.*` has shape \(32, \d+\)",
     ),
     Case(
         "combine-lora-checkpoint-as-adapter",
