@@ -29,7 +29,8 @@ def add_commands(subparsers) -> None:
         "--truncate",
         action="store_true",
         default=None,
-        help="cut records longer than --max-length (or the base's context) instead of refusing them; says how many were cut",
+        help="cut records longer than --max-length (or the base's context) instead of refusing them; "
+        "says how many were cut",
     )
     overlap.add_argument(
         "--rollouts",
@@ -49,7 +50,8 @@ def add_commands(subparsers) -> None:
     overlap.add_argument(
         "--centre",
         choices=["base_weighted_median", "median"],
-        help="how each delta is centred over the vocabulary (default base_weighted_median; median: each token counted once)",
+        help="how each delta is centred over the vocabulary "
+        "(default base_weighted_median; median: each token counted once)",
     )
     overlap.add_argument(
         "--full-vocabulary",

@@ -217,7 +217,8 @@ class Threshold(BaseModel):
         sign = "≥" if self.direction == "above" else "<"
         text = f"succeeds when {self.feature} {sign} {self.threshold:.4g}"
         if diagnostics is not None:
-            text += f"; here {self.feature} = {diagnostics[self.feature]:.4g} → {'yes' if self.predict(diagnostics) else 'no'}"
+            verdict = "yes" if self.predict(diagnostics) else "no"
+            text += f"; here {self.feature} = {diagnostics[self.feature]:.4g} → {verdict}"
         return text
 
 

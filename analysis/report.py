@@ -135,8 +135,10 @@ def vocabulary_lines(results: dict) -> list[str]:
     )
     return [
         f"Deltas centred by the {centre}. Centre, supports, overlap sums and top tokens on the "
-        f"{vocabulary['candidates']} tokens each position's distributions rank highest (`--full-vocabulary` for all); "
-        f"mean mass outside them: {outside}. Mass overlap over the whole vocabulary lies in: {bounds or 'no bound for this centre'}.",
+        f"{vocabulary['candidates']} tokens each position's distributions rank highest "
+        "(`--full-vocabulary` for all); "
+        f"mean mass outside them: {outside}. "
+        f"Mass overlap over the whole vocabulary lies in: {bounds or 'no bound for this centre'}.",
         "",
     ]
 
@@ -171,7 +173,8 @@ def markdown(results: dict) -> str:
         lines += [
             "## Merge vs compose",
             "",
-            f"KL(q‖m): mean {format_number(gap['kl_mean'])}, p95 ≤ {format_number(gap['kl_p95'])}, max {format_number(gap['kl_max'])}; "
+            f"KL(q‖m): mean {format_number(gap['kl_mean'])}, p95 ≤ {format_number(gap['kl_p95'])}, "
+            f"max {format_number(gap['kl_max'])}; "
             f"top-1 agreement {format_number(gap['top1_agreement'])}.",
         ]
         if "interaction_residual_rms" in gap:
@@ -347,7 +350,8 @@ def recommendation_text(recommendation: dict) -> str:
     lines = [
         f"Recommendation: {recommendation['verdict']}",
         *(f"  {name}: {text}" for name, text in recommendation["evidence"].items()),
-        f"  the rule's accuracy on held-out task families: {format_number(accuracy)} over {recommendation['n_settings']} settings "
+        f"  the rule's accuracy on held-out task families: {format_number(accuracy)} "
+        f"over {recommendation['n_settings']} settings "
         f"(sweep {sweep.get('name', '?')}, version {sweep.get('version', '?')})",
         f"  note: {recommendation['caveat']}",
     ]
