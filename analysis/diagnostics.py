@@ -218,7 +218,7 @@ def centred_deltas(
     Composition is shift-invariant (a constant added to `δ_i` cancels in the normalisation), so
     only the deviation from a typical token matters. Two centres:
 
-    * `"median"` (the default, the issue's definition): `c_i = median_v δ_i`, each token counted
+    * `"median"` (the default of this function): `c_i = median_v δ_i`, each token counted
       once. An expert that moves a few tokens and rescales the rest leaves most tokens at one
       constant offset, which the median removes exactly while the mean would not. With V even,
       the lower median is taken (`torch.median`).
@@ -253,47 +253,6 @@ def weighted_median(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor
     cumulative = weights.expand_as(values).gather(-1, order).cumsum(-1)  # (..., V)
     index = (cumulative < 0.5 * cumulative[..., -1:]).sum(-1, keepdim=True).clamp(max=values.shape[-1] - 1)
     return ordered.gather(-1, index)
-
-
-def union_centre(
-    deltas: torch.Tensor,
-    weights: torch.Tensor,
-    outside_mass: torch.Tensor,
-    delta_range: tuple[torch.Tensor, torch.Tensor],
-    bounded: bool = True,
-    slack: float = 1e-4,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The centre of δ over a token subset U, and an interval `[lower, upper]` that holds it and the centre over all V.
-
-    `centre = weighted_median(δ_U, weights)` (the lower weighted median over U). With
-    `weights = p_b` on U, the base-weighted median over all V is the smallest δ(v) with
-    `F(δ(v)) ≥ ½`, `F(t) = Σ_{v: δ(v) ≤ t} p_b(v)`. Over U, `F_U ≤ F ≤ F_U + τ` with τ the
-    base's mass outside U, so it lies in
-    `[max{δ_u : F_U(δ_u) < ½ − τ}, min{δ_u : F_U(δ_u) ≥ ½}]` (`slack` widens both sides against
-    float32 rounding of the cumulative sums), and so does the centre over U. Where no δ_u
-    qualifies, the interval extends to the minimum or maximum of δ over all V (`delta_range`).
-
-    Args:
-        deltas: `(..., M)` δ on U; weights: `(..., M)` non-negative (0 on duplicate columns);
-        outside_mass: `(...)` τ; delta_range: `(min_V δ, max_V δ)`, each `(...)`;
-        bounded: False for weights that are not p_b (e.g. counts for the plain median): the
-            interval is then `(−inf, inf)`.
-
-    Returns:
-        `(centre, lower, upper)`, each `(..., 1)`.
-    """
-    ordered, order = deltas.sort(dim=-1)
-    cumulative = weights.gather(-1, order).cumsum(-1)  # (..., M)
-    last = deltas.shape[-1] - 1
-    centre = ordered.gather(-1, (cumulative < 0.5 * cumulative[..., -1:]).sum(-1, keepdim=True).clamp(max=last))
-    if not bounded:
-        infinite = torch.full_like(centre, float("inf"))
-        return centre, -infinite, infinite
-    below = (cumulative < 0.5 - outside_mass[..., None] - slack).sum(-1, keepdim=True)  # (..., 1)
-    lower = torch.where(below > 0, ordered.gather(-1, (below - 1).clamp(min=0)), delta_range[0][..., None])
-    reached = (cumulative < 0.5 + slack).sum(-1, keepdim=True)
-    upper = torch.where(reached <= last, ordered.gather(-1, reached.clamp(max=last)), delta_range[1][..., None])
-    return centre, lower, upper
 
 
 def centred_deltas_from_logprobs(

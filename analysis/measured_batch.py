@@ -3,7 +3,9 @@
 `MeasuredBatch.measure` is the measurement kernel: from the log-probs of n positions it computes,
 once, everything the position reducers need (normalised log-probs, activity, centred deltas,
 supports, the merge's gap). On the top-k union (the default) the sums over the vocabulary come
-from one read of the log-probs (`vocabulary_sums`), compiled with `torch.compile` where that pays.
+from one read of the log-probs (`vocabulary_sums`), compiled with `torch.compile` where that pays,
+and the centre is taken over the union with an interval that also holds the one over all V
+(`union_centre`).
 """
 
 from __future__ import annotations
@@ -278,13 +280,54 @@ def _pass(function, n: int, V: int, *tensors: torch.Tensor) -> tuple[torch.Tenso
     )
 
 
+def union_centre(
+    deltas: torch.Tensor,
+    weights: torch.Tensor,
+    outside_mass: torch.Tensor,
+    delta_range: tuple[torch.Tensor, torch.Tensor],
+    bounded: bool = True,
+    slack: float = 1e-4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The centre of δ over a token subset U, and an interval `[lower, upper]` that holds it and the centre over all V.
+
+    `centre = weighted_median(δ_U, weights)` (`diagnostics.weighted_median`, the lower one, over U). With
+    `weights = p_b` on U, the base-weighted median over all V is the smallest δ(v) with
+    `F(δ(v)) ≥ ½`, `F(t) = Σ_{v: δ(v) ≤ t} p_b(v)`. Over U, `F_U ≤ F ≤ F_U + τ` with τ the
+    base's mass outside U, so it lies in
+    `[max{δ_u : F_U(δ_u) < ½ − τ}, min{δ_u : F_U(δ_u) ≥ ½}]` (`slack` widens both sides against
+    float32 rounding of the cumulative sums), and so does the centre over U. Where no δ_u
+    qualifies, the interval extends to the minimum or maximum of δ over all V (`delta_range`).
+
+    Args:
+        deltas: `(..., M)` δ on U; weights: `(..., M)` non-negative (0 on duplicate columns);
+        outside_mass: `(...)` τ; delta_range: `(min_V δ, max_V δ)`, each `(...)`;
+        bounded: False for weights that are not p_b (e.g. counts for the plain median): the
+            interval is then `(−inf, inf)`.
+
+    Returns:
+        `(centre, lower, upper)`, each `(..., 1)`.
+    """
+    ordered, order = deltas.sort(dim=-1)
+    cumulative = weights.gather(-1, order).cumsum(-1)  # (..., M)
+    last = deltas.shape[-1] - 1
+    centre = ordered.gather(-1, (cumulative < 0.5 * cumulative[..., -1:]).sum(-1, keepdim=True).clamp(max=last))
+    if not bounded:
+        infinite = torch.full_like(centre, float("inf"))
+        return centre, -infinite, infinite
+    below = (cumulative < 0.5 - outside_mass[..., None] - slack).sum(-1, keepdim=True)  # (..., 1)
+    lower = torch.where(below > 0, ordered.gather(-1, (below - 1).clamp(min=0)), delta_range[0][..., None])
+    reached = (cumulative < 0.5 + slack).sum(-1, keepdim=True)
+    upper = torch.where(reached <= last, ordered.gather(-1, reached.clamp(max=last)), delta_range[1][..., None])
+    return centre, lower, upper
+
+
 def _union_rows(components, composed, merged, scaled_experts, weights, settings: OverlapSettings) -> dict:
     """The top-k union path: sums over V from one read (`vocabulary_sums`), token statistics on U.
 
     U is, per position, the `settings.candidates` tokens with the largest max(p_b, p_i…, q). The
     log-probs are used as given (they must be normalised; checked). The centre is taken over U
-    (`mergecompose.analysis.diagnostics.union_centre`); for the base-weighted median the interval it returns
-    also holds the centre over all V, which bounds what the restriction changes (`mass_overlap_bounds`).
+    (`union_centre`); for the base-weighted median the interval it returns also holds the centre
+    over all V, which bounds what the restriction changes (`mass_overlap_bounds`).
     """
     components, log_q = components.float(), composed.float()  # (k+1, n, V), (n, V)
     k, V = components.shape[0] - 1, components.shape[-1]
@@ -341,7 +384,7 @@ def _union_columns(fields: dict, settings: OverlapSettings) -> dict:
     deltas = experts.clamp(min=LOGPROB_FLOOR) - base.clamp(min=LOGPROB_FLOOR)  # (k, n, M)
     bounded = settings.centre == "base_weighted_median"
     centre_weights = probs[0] if bounded else torch.ones_like(probs[0])
-    centre, lower, upper = dx.union_centre(
+    centre, lower, upper = union_centre(
         deltas,
         centre_weights.expand_as(deltas),
         outside_mass[0].expand(k, -1),

@@ -253,12 +253,14 @@ def test_top_k_union_agrees_with_the_full_vocabulary_within_the_reported_bound()
 def test_union_centre_by_hand_and_its_interval_holds_the_full_centre():
     values = torch.tensor([[3.0, 0.0, 2.0, 1.0]])
     weights = torch.tensor([[0.1, 0.1, 0.3, 0.2]])  # sorted by value: 0.1, 0.2, 0.3, 0.1; 0.3 of the mass is outside
-    centre, lower, upper = dx.union_centre(
+    centre, lower, upper = measured_batch.union_centre(
         values, weights, torch.tensor([0.3]), (torch.tensor([-5.0]), torch.tensor([9.0]))
     )
     # Cumulative 0.1, 0.3, 0.6, 0.7: half of U's 0.7 is reached at 2; below ½ − 0.3 only 0; ½ is reached at 2.
     assert (centre.item(), lower.item(), upper.item()) == (2.0, 0.0, 2.0)
-    _, lower, upper = dx.union_centre(values, weights, torch.tensor([0.6]), (torch.tensor([-5.0]), torch.tensor([9.0])))
+    _, lower, upper = measured_batch.union_centre(
+        values, weights, torch.tensor([0.6]), (torch.tensor([-5.0]), torch.tensor([9.0]))
+    )
     assert (lower.item(), upper.item()) == (-5.0, 2.0)  # nothing in U is surely below: down to the least δ over V
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):
@@ -266,7 +268,7 @@ def test_union_centre_by_hand_and_its_interval_holds_the_full_centre():
         probs = torch.softmax(torch.randn(4, 500, generator=generator) * 3, -1)
         keep = probs.topk(40, dim=-1).indices  # (4, 40)
         outside = 1 - probs.gather(-1, keep).sum(-1)
-        centre, lower, upper = dx.union_centre(
+        centre, lower, upper = measured_batch.union_centre(
             deltas.gather(-1, keep), probs.gather(-1, keep), outside, (deltas.amin(-1), deltas.amax(-1))
         )
         full = dx.weighted_median(deltas, probs)
