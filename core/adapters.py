@@ -6,6 +6,7 @@ import copy
 import os
 import re
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import torch
 from peft import PeftConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
@@ -18,7 +19,7 @@ _NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
 
 
-def read_adapter(source, argument: str = "adapter") -> tuple[PeftConfig, dict[str, torch.Tensor]]:
+def read_adapter(source: object, argument: str = "adapter") -> tuple[PeftConfig, dict[str, torch.Tensor]]:
     """Return (config, state dict) of an adapter given as a folder, a hub id or a PeftModel.
 
     A folder or hub id is checked first (`mergecompose.core.sources.check_adapter_source`): a missing
@@ -47,7 +48,9 @@ def merged_adapter_model(
     return PeftModel.from_pretrained(base_model, str(source)).merge_and_unload()
 
 
-def check_adapter_fits(name: str, config: PeftConfig, state_dict: Mapping[str, torch.Tensor], base_model) -> None:
+def check_adapter_fits(
+    name: str, config: PeftConfig, state_dict: Mapping[str, torch.Tensor], base_model: torch.nn.Module
+) -> None:
     """Raise a ValueError naming the module and both shapes if the adapter was made for another base."""
     if config.peft_type != PeftType.LORA:
         raise ValueError(
@@ -113,7 +116,7 @@ class TrainingFlags:
             parameter.requires_grad_(requires_grad)
 
 
-def load_adapters_on_base(base_model, adapters: Mapping[str, object]) -> tuple[PeftModel, list[str]]:
+def load_adapters_on_base(base_model: torch.nn.Module, adapters: Mapping[str, object]) -> tuple[PeftModel, list[str]]:
     """Inject every adapter into `base_model` (in place) and return the PeftModel and the names.
 
     If an adapter cannot be loaded, the ones already injected are unloaded and `base_model` is
@@ -122,7 +125,7 @@ def load_adapters_on_base(base_model, adapters: Mapping[str, object]) -> tuple[P
     names = list(adapters)
     check_adapter_names(names)
     flags = TrainingFlags(base_model)
-    peft_model = None
+    peft_model: PeftModel | None = None
     try:
         for name in names:
             config, state_dict = read_adapter(adapters[name], f"adapters[{name!r}]")
@@ -134,7 +137,9 @@ def load_adapters_on_base(base_model, adapters: Mapping[str, object]) -> tuple[P
             else:
                 peft_model.add_adapter(name, config)
             result = set_peft_model_state_dict(peft_model, state_dict, adapter_name=name)
-            missing = [key for key in result.missing_keys if f".{name}." in key or key.endswith(f".{name}")]
+            # peft annotates its result as "namedtuple"; it is torch's `_IncompatibleKeys`.
+            missing_keys: list[str] = result.missing_keys  # type: ignore[attr-defined]
+            missing = [key for key in missing_keys if f".{name}." in key or key.endswith(f".{name}")]
             missing = [key for key in missing if "lora_" in key]
             if missing:
                 raise ValueError(f"adapter `{name}` is missing weights for {missing[:3]} ...")
@@ -143,5 +148,6 @@ def load_adapters_on_base(base_model, adapters: Mapping[str, object]) -> tuple[P
             peft_model.unload()
         flags.restore()
         raise
+    peft_model = cast(PeftModel, peft_model)  # set by the first adapter (callers refuse an empty `adapters`)
     peft_model.eval()
     return peft_model, names

@@ -17,12 +17,15 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
 from mergecompose.core.locks import pid_running
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
@@ -95,7 +98,7 @@ def atomic_output_dir(out_dir: str | os.PathLike, overwrite: bool = False) -> It
             shutil.rmtree(temporary, ignore_errors=True)
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None], suffix: str = "") -> None:
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], suffix: str = "") -> None:
     """Call `write(temporary_path)` on a temporary file beside `path`, then rename it over `path`.
 
     `suffix` keeps the file type visible to writers that look at it (matplotlib's `savefig`).
@@ -220,7 +223,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write(path, lambda temporary: temporary.write_text(text))
 
 
-def atomic_save_figure(figure, path: str | os.PathLike, dpi: int = 120, **savefig_options) -> None:
+def atomic_save_figure(figure: Figure, path: str | os.PathLike, dpi: int = 120, **savefig_options: Any) -> None:
     """Save a matplotlib figure to `path` atomically, with the file type taken from its suffix."""
     path = Path(path)
     atomic_write(path, lambda temporary: figure.savefig(temporary, dpi=dpi, **savefig_options), suffix=path.suffix)
@@ -237,7 +240,7 @@ def markdown_table(
         return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in body])
     widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
 
-    def line(cells):
+    def line(cells: Sequence[str]) -> str:
         return "| " + " | ".join(value.ljust(width) for value, width in zip(cells, widths)) + " |"
 
     return "\n".join([line(head), "|" + "|".join("-" * (width + 2) for width in widths) + "|", *map(line, body)])

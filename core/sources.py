@@ -88,7 +88,7 @@ def check_adapter_source(source: str | os.PathLike, argument: str) -> str:
     return _check_source(source, argument, ADAPTER_CONFIG, (CONFIG, checkpoint), "is not a peft adapter folder")
 
 
-def _check_source(source, argument: str, wanted: str, other: tuple[str, str], neither: str) -> str:
+def _check_source(source: str | os.PathLike, argument: str, wanted: str, other: tuple[str, str], neither: str) -> str:
     """A hub id (cached, when offline), or a local folder with the file `wanted`; a folder with `other[0]` is `other[1]`."""
     text = _as_text(source, argument)
     if not is_local(text):
@@ -119,7 +119,7 @@ def check_tokenizer_source(source: str | os.PathLike, argument: str) -> str:
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def _as_text(source, argument: str) -> str:
+def _as_text(source: object, argument: str) -> str:
     if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
         raise ValueError(f"`{argument}` must be a folder or a hub id (a non-empty string), got {source!r}")
     return os.fspath(source)

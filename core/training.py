@@ -37,11 +37,11 @@ class OptimizerSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # lr: .inf trains to NaN
 
-    lr: float = Field(3e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
+    lr: float = Field(default=3e-3, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
     schedule: Literal["cosine", "constant"] = "cosine"
-    warmup_fraction: float = Field(0.1, ge=0, lt=1)
-    grad_clip: float | None = Field(1.0, gt=0)  # max global gradient norm; None: no clipping
+    warmup_fraction: float = Field(default=0.1, ge=0, lt=1)
+    grad_clip: float | None = Field(default=1.0, gt=0)  # max global gradient norm; None: no clipping
 
 
 @dataclass
@@ -57,12 +57,12 @@ class Batch:
     position_ids: torch.Tensor | None
     labels: torch.Tensor
 
-    def to(self, device) -> Batch:
+    def to(self, device: torch.device | str) -> Batch:
         return Batch(
-            *(
-                None if tensor is None else tensor.to(device)
-                for tensor in (self.input_ids, self.attention_mask, self.position_ids, self.labels)
-            )
+            self.input_ids.to(device),
+            None if self.attention_mask is None else self.attention_mask.to(device),
+            None if self.position_ids is None else self.position_ids.to(device),
+            self.labels.to(device),
         )
 
 
@@ -151,14 +151,14 @@ class LoraTrainingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rank: int = Field(8, ge=1)
-    alpha: float | None = Field(None, gt=0, description="lora_alpha; None means alpha = rank (scaling 1)")
+    rank: int = Field(default=8, ge=1)
+    alpha: float | None = Field(default=None, gt=0, description="lora_alpha; None means alpha = rank (scaling 1)")
     use_rslora: bool = False
-    dropout: float = Field(0.0, ge=0, lt=1)
+    dropout: float = Field(default=0.0, ge=0, lt=1)
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    steps: int = Field(100, ge=1)
-    learning_rate: float = Field(1e-3, gt=0)
-    seed: int = Field(0, ge=0)
+    steps: int = Field(default=100, ge=1)
+    learning_rate: float = Field(default=1e-3, gt=0)
+    seed: int = Field(default=0, ge=0)
 
 
 @dataclass
@@ -194,9 +194,10 @@ def train_lora_expert(
         if "input_ids" not in batch or "labels" not in batch:
             raise ValueError(f"`batches[{index}]` must hold `input_ids` and `labels`, got keys {sorted(batch)}")
     torch.manual_seed(config.seed)
+    # peft annotates `lora_alpha` as int, but scales by any number (scaling = lora_alpha / r): a float alpha is kept.
     lora_config = LoraConfig(
         r=config.rank,
-        lora_alpha=config.alpha if config.alpha is not None else config.rank,
+        lora_alpha=config.alpha if config.alpha is not None else config.rank,  # type: ignore[arg-type]
         use_rslora=config.use_rslora,
         lora_dropout=config.dropout,
         target_modules=config.target_modules,
