@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
@@ -30,6 +30,11 @@ from mergecompose.merging.merge import MERGEKIT_MODE
 from mergecompose.merging.registry import METHODS, mergekit_methods, validate_merge_params
 from mergecompose.merging.settings import MergeSettings, readable_error
 from mergecompose.merging.state_dicts import check_finite
+
+if TYPE_CHECKING:
+    from mergekit.common import ModelReference
+    from mergekit.config import MergeConfiguration
+    from typing_extensions import Self
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # On disk the definitions are mergekit's: these keywords are fixed to its values.
@@ -74,33 +79,33 @@ class CheckpointMergeConfig(BaseModel):
 
     @field_validator("method")
     @classmethod
-    def _mergekit_runs_it(cls, value):
+    def _mergekit_runs_it(cls, value: str) -> str:
         if value not in mergekit_methods():
             raise ValueError(f"must be one of the methods mergekit runs, {mergekit_methods()}")
         return value
 
     @field_validator("experts", mode="before")
     @classmethod
-    def _paths_as_experts(cls, value):
+    def _paths_as_experts(cls, value: Any) -> Any:
         if isinstance(value, list):
             return [{"path": item} if isinstance(item, (str, os.PathLike)) else item for item in value]
         return value
 
     @field_validator("experts")
     @classmethod
-    def _at_least_one(cls, value):
+    def _at_least_one(cls, value: list[ExpertCheckpoint]) -> list[ExpertCheckpoint]:
         if not value:
             raise ValueError("must list at least one checkpoint")
         return value
 
     @model_validator(mode="after")
-    def _parameters_are_valid(self):
+    def _parameters_are_valid(self) -> Self:
         self.settings()
         return self
 
     def settings(self) -> MergeSettings:
         """The resolved settings under mergekit's definitions (checks every parameter)."""
-        parameters = dict(self.model_extra)
+        parameters = dict(self.model_extra or {})  # extra="allow": always a dict
         for name, value in parameters.items():
             if name == "weights":
                 raise ValueError(
@@ -129,7 +134,7 @@ class CheckpointMergeConfig(BaseModel):
             if "gamma" in settings:
                 parameters["gamma"] = settings["gamma"]
             models.append({"model": expert.path, "parameters": parameters})
-        config = {"merge_method": self.method, "models": models, "dtype": self.dtype}
+        config: dict[str, Any] = {"merge_method": self.method, "models": models, "dtype": self.dtype}
         if self.method == "linear":
             config["parameters"] = {"normalize": settings["normalize"]}
             return config
@@ -140,7 +145,11 @@ class CheckpointMergeConfig(BaseModel):
         return config
 
 
-def load_merge_config(config) -> tuple[dict, CheckpointMergeConfig | None]:
+# What `merge_checkpoints` takes: a YAML file, a dict (mergekit's schema or ours) or our typed config.
+MergeConfigSource: TypeAlias = str | os.PathLike | Mapping[str, Any] | CheckpointMergeConfig
+
+
+def load_merge_config(config: MergeConfigSource) -> tuple[dict, CheckpointMergeConfig | None]:
     """(mergekit dict, our typed config or None) from a YAML path, a dict or a CheckpointMergeConfig.
 
     A dict (or YAML file) with `merge_method` is mergekit's schema and is passed on unchanged;
@@ -168,7 +177,7 @@ def load_merge_config(config) -> tuple[dict, CheckpointMergeConfig | None]:
 
 
 def merge_checkpoints(
-    config,
+    config: MergeConfigSource,
     out_dir: str | os.PathLike,
     overwrite: bool = False,
     *,
@@ -217,9 +226,10 @@ def merge_checkpoints(
     config_file = [config] if isinstance(config, (str, os.PathLike)) else []
     refuse_output_over_inputs(out_dir, [*sources, *config_file])
     refuse_existing(out_dir, overwrite)
-    defaults = {"copy_tokenizer": _has_tokenizer(mergekit_dict), "quiet": False}
-    if ours is not None and ours.model_extra.get("seed") is not None:
-        defaults["random_seed"] = ours.model_extra["seed"]
+    defaults: dict[str, Any] = {"copy_tokenizer": _has_tokenizer(mergekit_dict), "quiet": False}
+    seed = (ours.model_extra or {}).get("seed") if ours is not None else None
+    if seed is not None:
+        defaults["random_seed"] = seed
     merge_options = MergeOptions(**{**defaults, **dict(options or {})})
     config_source = yaml.safe_dump(mergekit_dict, sort_keys=False)
     with atomic_output_dir(out_dir, overwrite) as folder:
@@ -261,7 +271,7 @@ def check_mergekit_parameters(config: Mapping) -> None:
     """
     from mergekit.merge_methods import registry as mergekit_registry
 
-    method = config.get("merge_method")
+    method: Any = config.get("merge_method")  # a YAML value, checked against mergekit's methods next
     known = {entry.spec.name: entry.spec for entry in mergekit_registry.registered_methods()}
     if method not in known:
         raise ValueError(f"`merge_method` {method!r} is not a method mergekit runs; valid: {', '.join(sorted(known))}")
@@ -305,7 +315,7 @@ def _models_and_slices(block: Mapping, prefix: str) -> Iterator[tuple[str, objec
                 yield f"{prefix}slices[{index}].sources[{source_index}].parameters", source["parameters"]
 
 
-def _setting_values(setting) -> list:
+def _setting_values(setting: object) -> list[object]:
     """The scalars of a mergekit parameter setting: a value, a gradient list, or filter entries `{filter, value}`."""
     if isinstance(setting, Mapping):
         return _setting_values(setting.get("value"))
@@ -314,7 +324,7 @@ def _setting_values(setting) -> list:
     return [setting]
 
 
-def _as_number(value):
+def _as_number(value: object) -> object:
     """YAML reads `1e-3` as a string; mergekit takes it as a number, and so do we."""
     if isinstance(value, str):
         try:
@@ -324,7 +334,7 @@ def _as_number(value):
     return value
 
 
-def _check_parameter_value(method: str, where: str, name: str, value, ours: bool) -> None:
+def _check_parameter_value(method: str, where: str, name: str, value: object, ours: bool) -> None:
     value = _as_number(value)
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"`{where}` must be a finite number, got {value!r}")
@@ -332,7 +342,7 @@ def _check_parameter_value(method: str, where: str, name: str, value, ours: bool
         return
     ours_name = _OUR_NAMES[name]
     # mergekit's defaults for what a single value does not give: density 1 (nothing dropped).
-    params = dict(MERGEKIT_MODE)
+    params: dict[str, object] = dict(MERGEKIT_MODE)
     if "density" in METHODS[method].settings.model_fields:
         params["density"] = 1.0
     params[ours_name] = [value] if ours_name == "weights" else value
@@ -343,7 +353,7 @@ def _check_parameter_value(method: str, where: str, name: str, value, ours: bool
         raise ValueError(f"`{where}` {reason.removeprefix(f'`{name}` ')}") from None
 
 
-def _labelled_models(configuration) -> list[tuple[str, object]]:
+def _labelled_models(configuration: MergeConfiguration) -> list[tuple[str, ModelReference]]:
     """(where in the config, mergekit ModelReference) of every model a mergekit configuration reads."""
     labelled = []
     if configuration.base_model is not None:
@@ -398,7 +408,12 @@ def check_checkpoints(
                 check_finite(name, checkpoint.get(name), f"`{label}` {readable[label]!r}")
 
 
-def _check_pair(name: str, first: tuple, second: tuple, vocabulary_may_differ: bool) -> None:
+def _check_pair(
+    name: str,
+    first: tuple[str, str, SafetensorsCheckpoint],
+    second: tuple[str, str, SafetensorsCheckpoint],
+    vocabulary_may_differ: bool,
+) -> None:
     (first_label, first_folder, first_checkpoint), (label, folder, checkpoint) = first, second
     shapes = first_checkpoint.shape(name), checkpoint.shape(name)
     if shapes[0] != shapes[1]:

@@ -20,7 +20,7 @@ _ALLOW_NONFINITE = (
 )
 
 
-def add_commands(subparsers) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     merge = subparsers.add_parser(
         "merge",
         help="merge checkpoints on disk through mergekit (mergekit YAML unchanged, or our typed config)",
@@ -42,7 +42,7 @@ def add_commands(subparsers) -> None:
     task_vector.set_defaults(func=run_task_vector)
 
 
-def merge_out_dir(args) -> str:
+def merge_out_dir(args: argparse.Namespace) -> str:
     """The output folder of `merge`, given as `--out DIR` or, in the older form, as the second positional."""
     if args.out is not None and args.out_dir is not None:
         raise ValueError(
@@ -54,7 +54,7 @@ def merge_out_dir(args) -> str:
     return args.out if args.out is not None else args.out_dir
 
 
-def run_merge(args) -> int:
+def run_merge(args: argparse.Namespace) -> int:
     out = merge_out_dir(args)
     mergekit_config, _ = load_merge_config(args.config)
     out_dir = merge_checkpoints(
@@ -73,7 +73,7 @@ def run_merge(args) -> int:
     return 0
 
 
-def run_task_vector(args) -> int:
+def run_task_vector(args: argparse.Namespace) -> int:
     if args.out is not None:
         refuse_existing(args.out, args.overwrite)  # before the work, not after
     labels = _labels(args.finetuned)
@@ -130,14 +130,14 @@ def _labels(paths: list[str]) -> list[str]:
     return names if len(set(names)) == len(names) else list(paths)
 
 
-def _cosine(first, second) -> float | None:
+def _cosine(first: TaskVector, second: TaskVector) -> float | None:
     try:
         return first.cosine(second)
     except ValueError:  # a zero task vector
         return None
 
 
-def _format(value) -> str:
+def _format(value: object) -> str:
     """A table cell: n/a for None (an undefined cosine), 5 significant digits for floats."""
     if value is None:
         return "n/a"

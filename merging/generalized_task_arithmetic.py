@@ -31,12 +31,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from mergekit.merge_methods.generalized_task_arithmetic import get_mask
 from tqdm.auto import tqdm
 
-from mergecompose.merging.settings import NamedBySettings, TaskArithmeticSettings
+from mergecompose.merging.settings import (
+    BreadcrumbsSettings,
+    DareLinearSettings,
+    MagnitudePruneSettings,
+    NamedBySettings,
+    TaskArithmeticSettings,
+)
 from mergecompose.merging.sparsify import magnitude_trim, magnitude_trim_global, outlier_trim, random_drop
 
 # mergekit's names for the two sign elections.
@@ -73,8 +80,9 @@ class GeneralizedTaskArithmetic(NamedBySettings):
         one generator seeded with `settings.seed` (the order in which peft and mergekit draw).
         """
         if self.sparsification == "magnitude" and settings.trim_scope == "global":
-            task_vectors = [magnitude_trim_global(task_vector, settings.density) for task_vector in task_vectors]
-        generator = None
+            density = cast(MagnitudePruneSettings, settings).density
+            task_vectors = [magnitude_trim_global(task_vector, density) for task_vector in task_vectors]
+        generator: torch.Generator | None = None
         names = list(dict.fromkeys(name for task_vector in task_vectors for name in task_vector))
         result = {}
         for name in tqdm(names, desc=f"{self.name} merge", disable=not progress, leave=False):
@@ -95,13 +103,19 @@ class GeneralizedTaskArithmetic(NamedBySettings):
             result[name] = base[name].to(device=delta.device, dtype=delta.dtype) + delta
         return result
 
-    def _sparsify(self, tensor: torch.Tensor, settings: TaskArithmeticSettings, generator) -> torch.Tensor:
+    def _sparsify(
+        self, tensor: torch.Tensor, settings: TaskArithmeticSettings, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        # Each sparsification comes with its settings model (the registry pairs them).
         if self.sparsification == "magnitude" and settings.trim_scope == "per_tensor":
-            return magnitude_trim(tensor, settings.density)
+            return magnitude_trim(tensor, cast(MagnitudePruneSettings, settings).density)
         if self.sparsification == "outliers":
-            return outlier_trim(tensor, settings.density, settings.gamma)
+            breadcrumbs = cast(BreadcrumbsSettings, settings)
+            return outlier_trim(tensor, breadcrumbs.density, breadcrumbs.gamma)
         if self.sparsification == "random":
-            return random_drop(tensor, settings.drop_rate, settings.rescale, generator)
+            dare = cast(DareLinearSettings, settings)
+            # Validation sets drop_rate; `__call__` seeds the generator before the first random drop.
+            return random_drop(tensor, cast(float, dare.drop_rate), dare.rescale, cast(torch.Generator, generator))
         return tensor  # no sparsification, or already trimmed globally
 
     def merge_deltas(

@@ -39,7 +39,7 @@ class SafetensorsCheckpoint:
                 f"`{argument}` {str(folder)!r} has no model.safetensors or "
                 f"model.safetensors.index.json (found {found}); only safetensors checkpoints are read"
             )
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, safe_open] = {}
 
     def keys(self) -> list[str]:
         return list(self._file_of)
@@ -57,7 +57,7 @@ class SafetensorsCheckpoint:
         """From the file's header (safetensors dtype codes: F16, BF16, F32, F64, F8_*), without reading the tensor."""
         return self._handle(name).get_slice(name).get_dtype().startswith(("F", "BF"))
 
-    def _handle(self, name: str):
+    def _handle(self, name: str) -> safe_open:
         file = self._file_of[name]
         if file not in self._handles:
             self._handles[file] = safe_open(str(file), framework="pt")

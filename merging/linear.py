@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from tqdm.auto import tqdm
@@ -33,7 +34,7 @@ class Linear(NamedBySettings):
         progress: bool = False,
     ) -> dict[str, torch.Tensor]:
         """θ for every floating-point tensor of `base` (a name missing from a task vector is θ_base there)."""
-        total = sum(settings.weights)
+        total = sum(cast(list[float], settings.weights))  # filled in by validation with the number of inputs
         result = {}
         for name in tqdm(list(base), desc="linear merge", disable=not progress, leave=False):
             present = [task_vector[name] for task_vector in task_vectors if name in task_vector]

@@ -20,9 +20,10 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
-from peft import PeftConfig, PeftModel
+from peft import LoraConfig, PeftConfig, PeftModel
 from peft.tuners.lora import LoraLayer
 from peft.utils import PeftType
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
@@ -45,7 +46,7 @@ def _check_lora_config(config: PeftConfig, where: str) -> None:
 
 
 def lora_delta_weights(
-    base_model: torch.nn.Module, adapter, *, allow_nonfinite: bool = False
+    base_model: torch.nn.Module, adapter: str | os.PathLike | PeftModel, *, allow_nonfinite: bool = False
 ) -> dict[str, torch.Tensor]:
     """{base tensor name: ΔW} of a peft LoRA adapter, in float32 (float64 for a float64 base).
 
@@ -78,14 +79,16 @@ def lora_delta_weights(
 
     deltas: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for module_path, module in peft_model.base_model.model.named_modules():
+        for module_path, module in peft_model.get_base_model().named_modules():
             if isinstance(module, LoraLayer) and (name in module.lora_A or name in module.lora_embedding_A):
                 if name in getattr(module, "lora_variant", {}):
                     variant = type(module.lora_variant[name]).__name__
                     raise ValueError(
                         f"module `{module_path}` uses the LoRA variant {variant}, whose update is not B @ A"
                     )
-                _add_delta(deltas, base_state, f"{module_path}.weight", module.get_delta_weight(name))
+                # peft's LoraLayer does not declare `get_delta_weight`; each of its layer classes defines it.
+                delta = module.get_delta_weight(name)  # type: ignore[attr-defined]
+                _add_delta(deltas, base_state, f"{module_path}.weight", delta)
                 if module.lora_bias.get(name, False):
                     _add_delta(
                         deltas, base_state, f"{module_path}.bias", module.lora_B[name].bias * module.scaling[name]
@@ -105,7 +108,9 @@ def lora_delta_weights(
     return deltas
 
 
-def _add_delta(deltas: dict, base_state: Mapping[str, torch.Tensor], key: str, delta: torch.Tensor) -> None:
+def _add_delta(
+    deltas: dict[str, torch.Tensor], base_state: Mapping[str, torch.Tensor], key: str, delta: torch.Tensor
+) -> None:
     if key not in base_state:
         raise ValueError(
             f"the adapter changes `{key}`, which the base model does not have; was it made for another base?"
@@ -174,8 +179,7 @@ def combine_lora_adapters(
     refuse_output_over_inputs(out_dir, adapters.values())
     refuse_existing(out_dir, overwrite)
 
-    peft_model = None
-    for name in names:
+    for index, name in enumerate(names):
         config, adapter_state = read_adapter(adapters[name], f"adapters[{name!r}]")
         _check_lora_config(config, f"adapter `{name}`")
         check_adapter_fits(name, config, adapter_state, base_model)
@@ -183,26 +187,28 @@ def combine_lora_adapters(
             check_finite_tensors(adapter_state, f"adapter `{name}` ({str(adapters[name])!r})")
         if getattr(config, "lora_bias", False):
             raise ValueError(f"adapter `{name}` has lora_bias=True, which peft's adapter combination ignores")
-        if peft_model is None:
+        if index == 0:
             peft_model = PeftModel.from_pretrained(copy.deepcopy(base_model), str(adapters[name]), adapter_name=name)
         else:
             peft_model.load_adapter(str(adapters[name]), adapter_name=name)
     combined = "combined"
     peft_model.add_weighted_adapter(names, weights, combined, combination_type=method, svd_rank=rank)
-    peft_model.peft_config[combined].use_rslora = False  # lora_alpha = r: scaling 1 on reload
+    combined_config = cast(LoraConfig, peft_model.peft_config[combined])  # a combination of LoRA adapters
+    combined_config.use_rslora = False  # lora_alpha = r: scaling 1 on reload
 
     squared_error, squared_target, module_errors = 0.0, 0.0, {}
     with torch.no_grad():
-        for module_path, module in peft_model.base_model.model.named_modules():
+        for module_path, module in peft_model.get_base_model().named_modules():
             if not (isinstance(module, LoraLayer) and combined in module.scaling):
                 continue
             module.scaling[combined] = 1.0  # the sources' scalings are already folded into A and B
+            delta_weight = module.get_delta_weight  # type: ignore[attr-defined]  # see lora_delta_weights
             target = sum(
-                weight * module.get_delta_weight(name).double()
+                weight * delta_weight(name).double()
                 for name, weight in zip(names, weights)
                 if name in module.lora_A or name in module.lora_embedding_A
             )
-            error = (module.get_delta_weight(combined).double() - target).norm().item()
+            error = (delta_weight(combined).double() - target).norm().item()
             target_norm = float(torch.as_tensor(target).norm())
             module_errors[module_path] = error / target_norm if target_norm > 0 else error
             squared_error += error**2
@@ -210,7 +216,7 @@ def combine_lora_adapters(
     relative_error = (
         math.sqrt(squared_error) / math.sqrt(squared_target) if squared_target > 0 else math.sqrt(squared_error)
     )
-    new_rank = int(peft_model.peft_config[combined].r)
+    new_rank = int(combined_config.r)
 
     with atomic_output_dir(out_dir, overwrite) as folder:
         peft_model.save_pretrained(str(folder / "save"), selected_adapters=[combined])

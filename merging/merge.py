@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
+from typing import Any
 
 import torch
 import yaml
@@ -30,14 +31,14 @@ PEFT_MODE = MappingProxyType({"consensus": "paper", "trim_scope": "per_tensor", 
 
 def merge(
     method: str,
-    base,
-    finetuned_or_task_vectors: Sequence,
+    base: torch.nn.Module | Mapping[str, torch.Tensor],
+    finetuned_or_task_vectors: Sequence[torch.nn.Module | Mapping[str, torch.Tensor] | TaskVector],
     *,
     out_dir: str | os.PathLike | None = None,
     overwrite: bool = False,
     progress: bool = True,
     allow_nonfinite: bool = False,
-    **params,
+    **params: Any,
 ) -> dict[str, torch.Tensor]:
     """Merge k fine-tuned models (or task vectors) into `base`: θ = θ_base + λ · merge_i(w_i, τ_i).
 
@@ -125,8 +126,9 @@ def merge(
     }
     if out_dir is not None:
         with atomic_output_dir(out_dir, overwrite) as folder:
-            if hasattr(base, "save_pretrained"):
-                base.save_pretrained(folder, state_dict=dict(result))  # transformers may pop keys
+            save_pretrained = getattr(base, "save_pretrained", None)  # a transformers (or peft) model
+            if save_pretrained is not None:
+                save_pretrained(folder, state_dict=dict(result))  # transformers may pop keys
             else:
                 save_file(
                     {name: tensor.contiguous() for name, tensor in result.items()}, str(folder / "model.safetensors")
@@ -139,7 +141,9 @@ def merge(
     return result
 
 
-def _as_task_vector(item, base_state: Mapping[str, torch.Tensor], index: int, allow_nonfinite: bool) -> TaskVector:
+def _as_task_vector(
+    item: object, base_state: Mapping[str, torch.Tensor], index: int, allow_nonfinite: bool
+) -> TaskVector:
     """A TaskVector checked against `base_state`, or τ = item − base for a model / state dict."""
     where = f"finetuned_or_task_vectors[{index}]"
     if isinstance(item, TaskVector):

@@ -18,9 +18,11 @@ magnitude_prune), which is what `merge_checkpoints` offers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
+from typing import Any, Protocol, TypeVar
 
+import torch
 from pydantic import ValidationError
 
 from mergecompose.merging.generalized_task_arithmetic import GeneralizedTaskArithmetic
@@ -36,20 +38,44 @@ from mergecompose.merging.settings import (
     readable_error,
 )
 
-_REGISTRY: dict = {}
+SettingsT = TypeVar("SettingsT", bound=MergeSettings)
+
+
+class MergeMethod(Protocol[SettingsT]):
+    """What `register` takes: a name, the settings model of its parameters, whether mergekit runs it, and the merge."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def settings(self) -> type[SettingsT]: ...
+
+    @property
+    def mergekit(self) -> bool: ...
+
+    def __call__(
+        self,
+        base: Mapping[str, torch.Tensor],
+        task_vectors: Sequence[Mapping[str, torch.Tensor]],
+        settings: SettingsT,
+        progress: bool = False,
+    ) -> dict[str, torch.Tensor]: ...
+
+
+_REGISTRY: dict[str, MergeMethod[Any]] = {}
 
 # Read-only view: the methods cannot be replaced from outside; use `register`.
 METHODS = MappingProxyType(_REGISTRY)
 
 
-def register(method) -> None:
+def register(method: MergeMethod[Any]) -> None:
     """Add a method under its name: `.name`, `.settings` (its pydantic model), `.mergekit` and `__call__`."""
     if method.name in _REGISTRY:
         raise ValueError(f"merge method `{method.name}` is already registered")
     _REGISTRY[method.name] = method
 
 
-def get_method(name: str):
+def get_method(name: str) -> MergeMethod[Any]:
     """The method registered as `name`; an unknown name lists the valid ones."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown merge method {name!r}; valid methods: {sorted(_REGISTRY)}")

@@ -17,7 +17,7 @@ model (`METHODS["ties"].settings`); `mergecompose.merging.registry.validate_merg
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -29,6 +29,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 Consensus = Literal["paper", "mergekit"]
 SignElection = Literal["mass", "count"]
@@ -61,6 +64,8 @@ class MergeSettings(BaseModel):
     # strict: no "0.5" for 0.5, no True for 1.0; floats must be finite.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
+    # Each method's model narrows `method` to its own name; mypy takes a Literal of another name for an
+    # incompatible override, hence the `type: ignore[assignment]` on those declarations.
     method: str
     weights: list[float] | None = Field(None, validate_default=True, description="w_i per input, default 1.0 each")
     consensus: Consensus = Field("paper", exclude=True)
@@ -75,14 +80,14 @@ class MergeSettings(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _none_is_the_default(cls, data):
+    def _none_is_the_default(cls, data: Any) -> Any:
         if isinstance(data, Mapping):
             return {name: value for name, value in data.items() if value is not None}
         return data
 
     @field_validator("weights", mode="before")
     @classmethod
-    def _weights_as_list(cls, weights):
+    def _weights_as_list(cls, weights: Any) -> Any:
         """Any sequence of numbers (a tuple, a tensor, an array); torch / numpy scalars become numbers."""
         if isinstance(weights, (str, bytes, Mapping)) or not hasattr(weights, "__len__"):
             return weights  # the type check reports it
@@ -90,7 +95,7 @@ class MergeSettings(BaseModel):
 
     @field_validator("weights")
     @classmethod
-    def _one_weight_per_input(cls, weights, info: ValidationInfo):
+    def _one_weight_per_input(cls, weights: list[float] | None, info: ValidationInfo) -> list[float] | None:
         """With the number of inputs (validation context `count`): one weight each, default 1.0."""
         count = (info.context or {}).get("count")
         if count is None:
@@ -102,7 +107,7 @@ class MergeSettings(BaseModel):
         return weights
 
     @model_validator(mode="after")
-    def _weight_sum_is_not_zero(self):
+    def _weight_sum_is_not_zero(self) -> Self:
         if self.normalize and self.divides_by_weight_sum and self.weights and abs(sum(self.weights)) < 1e-8:
             raise ValueError(f"`weights` sum to {sum(self.weights)}; normalize=True divides by that sum")
         return self
@@ -125,7 +130,7 @@ class TaskArithmeticSettings(MergeSettings):
 class MagnitudePruneSettings(TaskArithmeticSettings):
     """Task arithmetic on task vectors trimmed to their largest-magnitude entries."""
 
-    method: Literal["magnitude_prune"] = "magnitude_prune"
+    method: Literal["magnitude_prune"] = "magnitude_prune"  # type: ignore[assignment]
     trim_scope: TrimScope = "per_tensor"
     density: Density = Field(description="in (0, 1], the fraction of entries kept")
 
@@ -133,11 +138,11 @@ class MagnitudePruneSettings(TaskArithmeticSettings):
 class BreadcrumbsSettings(MagnitudePruneSettings):
     """Magnitude pruning that also drops the largest `gamma` of the entries (outliers), per tensor."""
 
-    method: Literal["breadcrumbs"] = "breadcrumbs"
+    method: Literal["breadcrumbs"] = "breadcrumbs"  # type: ignore[assignment]
     gamma: Rate = Field(0.01, description="in [0, 1), the fraction of largest entries removed")
 
     @model_validator(mode="after")
-    def _per_tensor(self):
+    def _per_tensor(self) -> Self:
         if self.trim_scope != "per_tensor":
             raise ValueError(f"`trim_scope` must be 'per_tensor' for `{self.method}`, got {self.trim_scope!r}")
         return self
@@ -146,7 +151,7 @@ class BreadcrumbsSettings(MagnitudePruneSettings):
 class DareLinearSettings(TaskArithmeticSettings):
     """Task arithmetic on task vectors with entries dropped at random (DARE), the rest rescaled."""
 
-    method: Literal["dare_linear"] = "dare_linear"
+    method: Literal["dare_linear"] = "dare_linear"  # type: ignore[assignment]
     seed: Seed = 0
     rescale: Rescale = Field(default_factory=lambda data: "l1" if data.get("consensus") == "mergekit" else "inverse")
     density: Density | None = Field(None, description="1 − drop_rate; give one of the two")
@@ -156,7 +161,7 @@ class DareLinearSettings(TaskArithmeticSettings):
     )
 
     @model_validator(mode="after")
-    def _drop_rate_or_density(self):
+    def _drop_rate_or_density(self) -> Self:
         if {"density", "drop_rate"} <= self.model_fields_set:
             raise ValueError(f"give `drop_rate` or `density` (= 1 − drop_rate) for `{self.method}`, not both")
         if self.drop_rate is None:
@@ -178,8 +183,12 @@ class SignConsensus(BaseModel):
 
     divides_by_weight_sum: ClassVar[bool] = False
 
+    if TYPE_CHECKING:  # fields of the settings it is mixed into (not fields of its own)
+        method: str
+        lam: float
+
     @model_validator(mode="after")
-    def _positive_lam(self):
+    def _positive_lam(self) -> Self:
         if self.lam <= 0:
             raise ValueError(
                 f"`lam` must be > 0 for `{self.method}` (a sign-elected merge scaled by λ ≤ 0 flips "
@@ -191,14 +200,14 @@ class SignConsensus(BaseModel):
 class TiesSettings(SignConsensus, MagnitudePruneSettings):
     """TIES: magnitude pruning (global, as in the paper), sign election, disjoint mean."""
 
-    method: Literal["ties"] = "ties"
+    method: Literal["ties"] = "ties"  # type: ignore[assignment]
     trim_scope: TrimScope = "global"
 
 
 class DareTiesSettings(SignConsensus, DareLinearSettings):
     """DARE's random drop with TIES's sign election; mergekit does not normalise by default."""
 
-    method: Literal["dare_ties"] = "dare_ties"
+    method: Literal["dare_ties"] = "dare_ties"  # type: ignore[assignment]
     normalize: bool = Field(default_factory=lambda data: data.get("consensus") != "mergekit")
 
 

@@ -48,7 +48,9 @@ def check_finite_tensors(tensors: Mapping[str, torch.Tensor], where: str, hint: 
         check_finite(name, tensor, where, hint)
 
 
-def check_same_kind(name: str, base: torch.Tensor, other: torch.Tensor, what=("base", "finetuned")) -> None:
+def check_same_kind(
+    name: str, base: torch.Tensor, other: torch.Tensor, what: tuple[str, str] = ("base", "finetuned")
+) -> None:
     """Both floating-point (merged) or both not (buffers, skipped): an integer copy of a float weight is refused.
 
     Skipping it would silently give the base's value (an int64 expert merged to the base).
@@ -61,7 +63,10 @@ def check_same_kind(name: str, base: torch.Tensor, other: torch.Tensor, what=("b
 
 
 def check_same_shape(
-    name: str, first: torch.Size | tuple, second: torch.Size | tuple, what=("base", "finetuned")
+    name: str,
+    first: torch.Size | tuple[int, ...],
+    second: torch.Size | tuple[int, ...],
+    what: tuple[str, str] = ("base", "finetuned"),
 ) -> None:
     if tuple(first) != tuple(second):
         raise ValueError(
@@ -70,7 +75,7 @@ def check_same_shape(
         )
 
 
-def check_same_keys(first: set[str], second: set[str], what=("base", "finetuned")) -> None:
+def check_same_keys(first: set[str], second: set[str], what: tuple[str, str] = ("base", "finetuned")) -> None:
     if first != second:
         only_first, only_second = sorted(first - second), sorted(second - first)
         raise ValueError(
@@ -79,7 +84,7 @@ def check_same_keys(first: set[str], second: set[str], what=("base", "finetuned"
         )
 
 
-def state_dict_of(model_or_state_dict, argument: str) -> dict[str, torch.Tensor]:
+def state_dict_of(model_or_state_dict: object, argument: str) -> dict[str, torch.Tensor]:
     """A detached {name: tensor} view of a torch module or a mapping of tensors (no copy)."""
     if isinstance(model_or_state_dict, torch.nn.Module):
         return {name: tensor.detach() for name, tensor in model_or_state_dict.state_dict().items()}

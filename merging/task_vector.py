@@ -8,8 +8,10 @@ import numbers
 import os
 import re
 from collections.abc import Mapping
+from typing import TypeVar, overload
 
 import torch
+from peft import PeftModel
 
 from mergecompose.merging.io import SafetensorsCheckpoint
 from mergecompose.merging.lora import lora_delta_weights
@@ -23,6 +25,8 @@ from mergecompose.merging.state_dicts import (
     share_updates_of_tied,
     state_dict_of,
 )
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 _LAYER = re.compile(r"^(?P<prefix>.*?\b(?:layers?|h|blocks?)\.\d+)\.")  # model.layers.3., transformer.h.3.
 
@@ -61,7 +65,7 @@ class TaskVector:
         base = state_dict_of(base, "base")
         finetuned = state_dict_of(finetuned, "finetuned")
         check_same_keys(set(base), set(finetuned))
-        tensors = {}
+        tensors: dict[str, torch.Tensor] = {}
         for name, base_tensor in base.items():
             _add_difference(tensors, name, base_tensor, finetuned[name], ("base", "finetuned"), allow_nonfinite)
         return cls(tensors)
@@ -89,14 +93,16 @@ class TaskVector:
         base, finetuned = SafetensorsCheckpoint(base_dir, "base"), SafetensorsCheckpoint(finetuned_dir, "finetuned")
         what = (f"base {str(base_dir)!r}", f"finetuned {str(finetuned_dir)!r}")
         check_same_keys(set(base.keys()), set(finetuned.keys()), what)
-        tensors = {}
+        tensors: dict[str, torch.Tensor] = {}
         for name in base.keys():
             check_same_shape(name, base.shape(name), finetuned.shape(name), what)  # before reading either tensor
             _add_difference(tensors, name, base.get(name), finetuned.get(name), what, allow_nonfinite)
         return cls(tensors)
 
     @classmethod
-    def from_lora(cls, base_model: torch.nn.Module, adapter, *, allow_nonfinite: bool = False) -> TaskVector:
+    def from_lora(
+        cls, base_model: torch.nn.Module, adapter: str | os.PathLike | PeftModel, *, allow_nonfinite: bool = False
+    ) -> TaskVector:
         """The dense task vector of a peft LoRA adapter: ΔW = scaling · B @ A for every adapted module.
 
         `adapter` is a peft adapter folder (or hub id) or a PeftModel (its active adapter).
@@ -110,7 +116,7 @@ class TaskVector:
 
     # ---- algebra --------------------------------------------------------------------------
 
-    def _combine(self, other: TaskVector, sign: float) -> TaskVector:
+    def _combine(self, other: object, sign: float) -> TaskVector:
         if not isinstance(other, TaskVector):
             raise ValueError(f"a task vector can only be added to a task vector, got {type(other).__name__}")
         tensors = dict(self.tensors)
@@ -125,7 +131,7 @@ class TaskVector:
     def __add__(self, other: TaskVector) -> TaskVector:
         return self._combine(other, 1.0)
 
-    def __radd__(self, other) -> TaskVector:
+    def __radd__(self, other: object) -> TaskVector:
         if isinstance(other, numbers.Number) and other == 0:  # sum([τ1, τ2]) starts from 0
             return self
         return self._combine(other, 1.0)
@@ -178,7 +184,15 @@ class TaskVector:
 
     # ---- application ----------------------------------------------------------------------
 
-    def apply_to(self, base, scale: float = 1.0):
+    @overload
+    def apply_to(self, base: ModuleT, scale: float = 1.0) -> ModuleT: ...
+
+    @overload
+    def apply_to(self, base: Mapping[str, torch.Tensor], scale: float = 1.0) -> dict[str, torch.Tensor]: ...
+
+    def apply_to(
+        self, base: torch.nn.Module | Mapping[str, torch.Tensor], scale: float = 1.0
+    ) -> torch.nn.Module | dict[str, torch.Tensor]:
         """θ = θ_base + scale · τ, cast back to each base tensor's dtype.
 
         `base` is a state dict (a new state dict is returned) or a torch module (a deep copy with
