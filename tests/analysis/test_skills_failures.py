@@ -23,6 +23,7 @@ from mergecompose.analysis.failures import (
     spurious_activity_rate,
 )
 from mergecompose.composition import compose_logprobs
+from mergecompose.experiments.skills.analysis import activity_examples
 from mergecompose.experiments.skills.spec import BACKGROUND, BOUNDARY, END, SEGMENT
 
 PAD, EOS = 0, 2
@@ -172,8 +173,6 @@ def test_spurious_activity_rate_golden():
 
 
 def test_activity_examples_golden():
-    from mergecompose.experiments.skills.analysis import activity_examples
-
     # 2 sequences of 4 characters + EOS; expert 0 owns steps 1-2 of sequence 0, expert 1 owns none there.
     owners = torch.tensor([[-1, 0, 0, -1, -1], [1, 1, -1, 0, -1]])
     activity = torch.arange(20, dtype=torch.float32).view(2, 2, 5)  # (k, B, L+1)
