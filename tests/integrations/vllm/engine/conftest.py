@@ -2,7 +2,7 @@
 
 vLLM's CPU attention needs head_dim >= 32, so these models are wider than the main suite's: hidden 64,
 2 heads (head_dim 32), 2 layers, vocabulary 64 (the 4 special tokens of `mergecompose.analysis.data.char_tokenizer`
-and 60 letters and digits). One `vllm.LLM` per test module (`vllm_engine`): each costs ~25 s to start.
+and 60 letters and digits). One `vllm.LLM` per test module (`vllm_engine`), since each takes a while to start.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ if _VLLM is None or _VLLM.origin is None:
     collect_ignore_glob = ["test_*.py"]
 else:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes most of the RAM
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: ~10 s less per engine
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: each engine starts sooner
 
     import torch
     from vllm_engines import VOCAB
