@@ -45,7 +45,8 @@ def refuse_existing(out_dir: str | os.PathLike, overwrite: bool) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise FileExistsError(
-            f"`out_dir` {str(out_dir)!r} already exists; pass overwrite=True (--overwrite on the command line) to replace it"
+            f"`out_dir` {str(out_dir)!r} already exists; pass overwrite=True (--overwrite on the command line) "
+            "to replace it"
         )
     return out_dir
 

@@ -88,7 +88,8 @@ def entry_lock(
                 # A writer records its pid; readers do not (they share the lock), so only a wait for a writer names one.
                 writer = "" if exclusive else f" (pid {_recorded_pid(descriptor)})"
                 notice(
-                    f"waiting for another mergecompose run{writer} that is {'using' if exclusive else 'writing'} {entry}"
+                    f"waiting for another mergecompose run{writer} that is "
+                    f"{'using' if exclusive else 'writing'} {entry}"
                 )
             fcntl.flock(descriptor, mode)
         if exclusive:

@@ -89,7 +89,10 @@ def check_adapter_source(source: str | os.PathLike, argument: str) -> str:
 
 
 def _check_source(source: str | os.PathLike, argument: str, wanted: str, other: tuple[str, str], neither: str) -> str:
-    """A hub id (cached, when offline), or a local folder with the file `wanted`; a folder with `other[0]` is `other[1]`."""
+    """A hub id (cached, when offline), or a local folder with the file `wanted`.
+
+    A folder with `other[0]` instead is refused as `other[1]`.
+    """
     text = _as_text(source, argument)
     if not is_local(text):
         check_hub_id(text, argument)

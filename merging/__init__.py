@@ -4,8 +4,9 @@
 
 The defaults follow the papers (TIES: global trim, sign elected on the unweighted trimmed task
 vectors, disjoint mean by count; DARE: rescale by 1/(1 − p)); `MERGEKIT_MODE` and `PEFT_MODE`
-select the libraries' definitions. See `mergecompose.merging.registry` for the methods and `mergecompose.merging.settings`
-for their parameters. Training (`train_model`, `train_lora_expert`) lives on the ground floor, `mergecompose.core.training`.
+select the libraries' definitions. See `mergecompose.merging.registry` for the methods and
+`mergecompose.merging.settings` for their parameters. Training (`train_model`, `train_lora_expert`)
+lives on the ground floor, `mergecompose.core.training`.
 """
 
 from mergecompose.merging.checkpoints import CheckpointMergeConfig, merge_checkpoints

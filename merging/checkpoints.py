@@ -290,7 +290,10 @@ def check_mergekit_parameters(config: Mapping) -> None:
 
 
 def _parameter_blocks(config: Mapping) -> Iterator[tuple[str, object]]:
-    """(where, parameters) of every `parameters:` block: top level, per model, per slice and slice source, per module."""
+    """(where, parameters) of every `parameters:` block.
+
+    Top level, per model, per slice and slice source, and per module.
+    """
     if config.get("parameters") is not None:
         yield "parameters", config["parameters"]
     yield from _models_and_slices(config, "")
@@ -427,8 +430,9 @@ def _check_pair(
                 "mergekit's `tokenizer_source`"
             )
         raise ValueError(
-            f"shape mismatch for tensor `{name}`: `{first_label}` {first_folder!r} has {shapes[0]}, `{label}` {folder!r} "
-            f"has {shapes[1]}; the models have different architectures (e.g. hidden sizes) and cannot be merged"
+            f"shape mismatch for tensor `{name}`: `{first_label}` {first_folder!r} has {shapes[0]}, "
+            f"`{label}` {folder!r} has {shapes[1]}; the models have different architectures (e.g. hidden sizes) "
+            "and cannot be merged"
         )
     if first_checkpoint.is_floating_point(name) != checkpoint.is_floating_point(name):
         kinds = ["floating-point" if c.is_floating_point(name) else "integer" for c in (first_checkpoint, checkpoint)]

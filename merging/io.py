@@ -31,7 +31,8 @@ class SafetensorsCheckpoint:
                 self._file_of = {name: single for name in handle.keys()}
         elif not self.folder.is_dir():
             raise ValueError(
-                f"`{argument}` {str(folder)!r} is not a local folder; checkpoints are read from local safetensors folders"
+                f"`{argument}` {str(folder)!r} is not a local folder; "
+                "checkpoints are read from local safetensors folders"
             )
         else:
             found = sorted(path.name for path in self.folder.iterdir())

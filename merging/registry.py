@@ -1,19 +1,19 @@
 """The registry of merge methods: one name each; a duplicate name is an error.
 
-| method          | sparsify             | signs | normalize default (paper / mergekit) | reference |
-|-----------------|----------------------|-------|--------------------------------------|-----------|
-| linear          | –                    | –     | True / True (Σ w)                    | model soups, arXiv:2203.05482 |
-| task_arithmetic | –                    | –     | False / False                        | arXiv:2212.04089 |
-| ties            | magnitude (global)   | yes   | True / True (disjoint mean)          | arXiv:2306.01708 |
-| dare_linear     | random, 1/(1−p)      | –     | False / False                        | arXiv:2311.03099 |
-| dare_ties       | random, 1/(1−p)      | yes   | True / False                         | arXiv:2311.03099 |
-| magnitude_prune | magnitude per tensor | –     | False / False                        | peft `merge_utils.magnitude_prune` |
-| breadcrumbs     | outliers per tensor  | –     | False / False                        | arXiv:2312.06795 |
+| method          | sparsify             | signs | normalize (paper / mergekit) | reference |
+|-----------------|----------------------|-------|------------------------------|-----------|
+| linear          | –                    | –     | True / True (Σ w)            | model soups, arXiv:2203.05482 |
+| task_arithmetic | –                    | –     | False / False                | arXiv:2212.04089 |
+| ties            | magnitude (global)   | yes   | True / True (disjoint mean)  | arXiv:2306.01708 |
+| dare_linear     | random, 1/(1−p)      | –     | False / False                | arXiv:2311.03099 |
+| dare_ties       | random, 1/(1−p)      | yes   | True / False                 | arXiv:2311.03099 |
+| magnitude_prune | magnitude per tensor | –     | False / False                | peft `merge_utils.magnitude_prune` |
+| breadcrumbs     | outliers per tensor  | –     | False / False                | arXiv:2312.06795 |
 
-"mergekit" defaults are those of mergekit's registry (its dare_ties does not normalise). Each
-entry holds the pydantic model of its parameters (`METHODS["ties"].settings`, see
-`mergecompose.merging.settings`) and says whether mergekit runs it under the same name (all but
-magnitude_prune), which is what `merge_checkpoints` offers.
+The normalize column gives the default under the papers' definitions and under mergekit's, which are
+those of mergekit's registry (its dare_ties does not normalise). Each entry holds the pydantic model
+of its parameters (`METHODS["ties"].settings`, see `mergecompose.merging.settings`) and says whether
+mergekit runs it under the same name (all but magnitude_prune), which is what `merge_checkpoints` offers.
 """
 
 from __future__ import annotations

@@ -174,7 +174,10 @@ class TaskVector:
         return self.dot(other) / (norms[0] * norms[1])
 
     def layer_norms(self) -> dict[str, float]:
-        """L2 norm per layer: tensors under `...layers.<i>.` (or `h.<i>.`, `blocks.<i>.`) are grouped; others by name."""
+        """L2 norm per layer: tensors under `...layers.<i>.` (or `h.<i>.`, `blocks.<i>.`) are grouped.
+
+        A tensor outside every layer is a group of its own, under its name.
+        """
         squares: dict[str, float] = {}
         for name, tensor in self.tensors.items():
             match = _LAYER.match(name)

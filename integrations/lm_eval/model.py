@@ -1,7 +1,7 @@
 """The lm-evaluation-harness model `composed`: a `ComposedLM` in front of lm-eval's three request types.
 
 Importing this module registers the model with lm-eval (`register_model("composed")`); it needs
-the `lm-eval` extra (`pip install "mergecompose[lm-eval]"`), which `import composition` does not.
+the `lm-eval` extra (`pip install "mergecompose[lm-eval]"`), which `import mergecompose.composition` does not.
 
     lm_eval --model composed --model_args base=B,experts=E1|E2[,weights=1.0|1.0][,remedies=gate:0.1]
     lm_eval.simple_evaluate(model="composed", model_args={"base": B, "experts": [E1, E2]}, tasks=[...])
@@ -103,7 +103,8 @@ class ComposedHFLM(HFLM):
             max_length = _positive_integer(max_length, "max_length")
         if str(device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(
-                f"`device` is {device!r} but no CUDA device is available; pass `--device cpu` (lm-eval's default is cuda)"
+                f"`device` is {device!r} but no CUDA device is available; pass `--device cpu` "
+                "(lm-eval's default is cuda)"
             )
         if remedies is not None and not isinstance(remedies, RemedySettings):
             remedies = RemedySettings.parse(remedies)  # checked before any model is loaded
@@ -148,7 +149,8 @@ class ComposedHFLM(HFLM):
         unknown = sorted(set(generation_kwargs) - set(_SAMPLING_KWARGS))
         if unknown:
             raise ValueError(
-                f"generation settings {unknown} are not supported by the composed model; supported: {list(_SAMPLING_KWARGS)}"
+                f"generation settings {unknown} are not supported by the composed model; "
+                f"supported: {list(_SAMPLING_KWARGS)}"
             )
         # lm-eval adds the EOS token's text to the stop strings; EOS already ends a row by its id.
         eos_text = self.tok_decode([self.eot_token_id], skip_special_tokens=False)

@@ -1,4 +1,7 @@
-"""`mergecompose vllm-model`: write the folder that serves a composition in vLLM (`mergecompose.integrations.vllm.folder`)."""
+"""`mergecompose vllm-model`: write the folder that serves a composition in vLLM.
+
+The folder is written by `mergecompose.integrations.vllm.folder.build_vllm_model`.
+"""
 
 from __future__ import annotations
 

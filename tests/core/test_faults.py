@@ -59,7 +59,10 @@ TINY = {
 }
 COMPARE_FLAGS = ["--quiet", "--threads", "1"]
 LEFTOVER = re.compile(r"\.(tmp|old)-")
-_HELD = "import sys, mergecompose.cli; print('ready', flush=True); sys.stdin.readline(); sys.exit(mergecompose.cli.main(sys.argv[1:]))"
+_HELD = (
+    "import sys, mergecompose.cli; print('ready', flush=True); sys.stdin.readline(); "
+    "sys.exit(mergecompose.cli.main(sys.argv[1:]))"
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -103,7 +106,10 @@ def _go(process: subprocess.Popen) -> None:
 
 
 def _killed(process: subprocess.Popen, delay: float, after) -> None:
-    """Go; once `after()` holds (or the process ended), wait `delay` seconds more; SIGKILL it unless it ended; reap it."""
+    """Go; once `after()` holds (or the process ended), wait `delay` seconds more.
+
+    Then SIGKILL the process unless it ended, and reap it.
+    """
     _go(process)
     deadline = time.monotonic() + 120
     while process.poll() is None and not after():
@@ -131,7 +137,10 @@ def _timed(process: subprocess.Popen, **conditions) -> dict[str, float]:
 
 
 def _kill_points(phase: float, count: int, seed: int) -> list[float]:
-    """`count` seeded delays in [0, 1.2 × `phase`]: into a phase that took `phase` seconds in a timed run, or just past it."""
+    """`count` seeded delays in [0, 1.2 × `phase`].
+
+    Each falls into a phase that took `phase` seconds in a timed run, or just past it.
+    """
     generator = random.Random(seed)
     return sorted(1.2 * phase * generator.random() for _ in range(count))
 

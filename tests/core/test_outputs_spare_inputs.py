@@ -1,4 +1,7 @@
-"""An output folder that is, contains or lies inside an input is refused, even with --overwrite, and the input is unchanged."""
+"""An output folder that is, contains or lies inside an input is refused, even with --overwrite.
+
+The input is left unchanged.
+"""
 
 from __future__ import annotations
 

@@ -124,7 +124,10 @@ def test_a_failed_merge_leaves_nothing(checkpoints, tmp_path):
     # Refused before mergekit runs, naming the tensor, both shapes and both folders.
     with pytest.raises(
         ValueError,
-        match=r"shape mismatch for tensor `.*`: `base_model` .*base' has \(64, 32\), `models\[0\]\.model` .*other_shape' has \(64, 16\)",
+        match=(
+            r"shape mismatch for tensor `.*`: `base_model` .*base' has \(64, 32\), "
+            r"`models\[0\]\.model` .*other_shape' has \(64, 16\)"
+        ),
     ):
         merge_checkpoints(config, tmp_path / "merged")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["other_shape"]

@@ -83,7 +83,10 @@ def test_merge_command_allow_nonfinite(checkpoints, tmp_path, capsys):
 
 
 def test_mergekit_yaml_with_gradients_filters_and_string_numbers_passes(checkpoints, tmp_path):
-    """What mergekit accepts and is valid by our rules goes through: gradient lists, filters, `1e-1` read as a string."""
+    """What mergekit accepts and is valid by our rules goes through.
+
+    Gradient lists, filters, and `1e-1` read as a string.
+    """
     config = {
         "merge_method": "ties",
         "base_model": str(checkpoints / "base"),

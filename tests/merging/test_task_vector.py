@@ -169,7 +169,10 @@ def test_adapter_for_another_base_names_the_tensor(tmp_path, lora_dirs):
     other_base = random_llama(tiny_llama_config(hidden_size=16, num_heads=2), seed=0)
     with pytest.raises(
         ValueError,
-        match=r"made for another base: its `\S+lora_A.weight` has shape \(4, \d+\), but the base's `\S+` has shape \(\d+, \d+\)",
+        match=(
+            r"made for another base: its `\S+lora_A.weight` has shape \(4, \d+\), "
+            r"but the base's `\S+` has shape \(\d+, \d+\)"
+        ),
     ):
         TaskVector.from_lora(other_base, lora_dirs["ab"])
 

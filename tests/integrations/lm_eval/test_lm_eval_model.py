@@ -24,7 +24,10 @@ SOURCES = ["ABC", "XYZ AB", "HELLO", "QRS T", "MNOP", "AAB"]
 
 
 def _task_yaml(name: str, data: str, body: str) -> str:
-    return f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n{body}metadata:\n  version: 1.0\n"
+    return (
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        f"{body}metadata:\n  version: 1.0\n"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +53,8 @@ def setup(base_model, lora_dirs, tmp_path_factory):
             "tiny_mc",
             data,
             (
-                'output_type: multiple_choice\ndoc_to_text: "{{source}}="\ndoc_to_target: label\ndoc_to_choice: choices\n'
+                'output_type: multiple_choice\ndoc_to_text: "{{source}}="\ndoc_to_target: label\n'
+                "doc_to_choice: choices\n"
                 "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
             ),
         )

