@@ -1,4 +1,5 @@
-"""`mergecompose compare`, `skills-sweep`, `overlap-sweep` and `predict-sweep`: the experiments on the synthetic tasks."""
+"""`mergecompose compare`, `skills-sweep`, `overlap-sweep` and `predict-sweep`: the experiments on the synthetic
+tasks."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def add_commands(subparsers) -> None:
 
     sweep = subparsers.add_parser(
         "overlap-sweep",
-        help="train letter experts for many rule pairs; correlate output-space overlap with composition and merge error",
+        help="train letter experts for many rule pairs; "
+        "correlate output-space overlap with composition and merge error",
     )
     sweep.add_argument(
         "config",
@@ -72,17 +74,20 @@ def add_commands(subparsers) -> None:
 
     predict = subparsers.add_parser(
         "predict-sweep",
-        help="merge or compose? unlabelled diagnostics against composition and merge outcomes over many settings; fits the verdict rule",
+        help="merge or compose? unlabelled diagnostics against composition and merge outcomes over many settings; "
+        "fits the verdict rule",
     )
     predict.add_argument(
         "config", help="a predict YAML (mergecompose.experiments.predict.PredictConfig), e.g. configs/predict.yaml"
     )
     add_common_flags(
         predict,
-        out="sweep folder: predict.json, predict.md, predict_rule.json, plots, cached checkpoints and per-setting results "
+        out="sweep folder: predict.json, predict.md, predict_rule.json, plots, cached checkpoints "
+        "and per-setting results "
         "(an interrupted sweep resumes from them)",
         out_required=True,
-        overwrite="replace the results of another config in --out (per-setting results still count where their inputs match)",
+        overwrite="replace the results of another config in --out "
+        "(per-setting results still count where their inputs match)",
         default_threads=1,
     )
     predict.set_defaults(func=run_predict_sweep_command)
@@ -128,7 +133,8 @@ def run_overlap_sweep_command(args) -> int:
     print(markdown_table(keys, [[row[key] for key in keys] for row in results["rows"]], cell=format_number, pad=True))
     for name, correlation in results["statistics"]["spearman"].items():
         print(
-            f"Spearman {name}: rho={format_number(correlation['rho'])} p={format_number(correlation['p_value'])} n={correlation['n']}"
+            f"Spearman {name}: rho={format_number(correlation['rho'])} "
+            f"p={format_number(correlation['p_value'])} n={correlation['n']}"
         )
     if not args.quiet:
         print(f"\nwrote {args.out}/sweep.json, sweep.md, overlap_vs_error.png, config.yaml")
@@ -152,7 +158,8 @@ def run_predict_sweep_command(args) -> int:
         print(f"best {key}: {entry['diagnostic']} rho={format_number(entry['rho'])} ci95={entry['ci95']}")
     verdict = results["verdict"]
     print(
-        f"verdict rule, leave-one-family-out: accuracy {format_number(verdict['heldout_accuracy'])} over {verdict['n_settings']} settings"
+        "verdict rule, leave-one-family-out: "
+        f"accuracy {format_number(verdict['heldout_accuracy'])} over {verdict['n_settings']} settings"
     )
     if not args.quiet:
         print(f"\nwrote {args.out}/predict.json, predict.md, predict_rule.json, config.yaml and scatter plots")

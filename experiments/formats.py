@@ -33,7 +33,8 @@ from typing import Literal
 
 import torch
 
-from mergecompose.core.training import IGNORE_INDEX, Batch  # noqa: F401 (part of this module's surface: the batches it makes)
+# IGNORE_INDEX and Batch are part of this module's surface: the batches it makes.
+from mergecompose.core.training import IGNORE_INDEX, Batch  # noqa: F401
 
 Formulation = Literal["aligned", "seq2seq"]
 PositionScheme = Literal["coupled", "contiguous"]

@@ -91,7 +91,8 @@ def _write_task(folder: Path, name: str, records: list[dict], config: dict) -> s
 
 
 def letter_choices(settings: LettersTaskSettings, source: str) -> tuple[list[str], int]:
-    """The joint target, the copy and the first joint expert's output, in an order fixed by the source; the target's index."""
+    """The joint target, the copy and the first joint expert's output, in an order fixed by the source; the
+    target's index."""
     task = settings.letter_task()
     options = [task.target(source), source, task.target(source, [settings.joint[0]])]
     shift = zlib.crc32(source.encode()) % len(options)
@@ -99,7 +100,8 @@ def letter_choices(settings: LettersTaskSettings, source: str) -> tuple[list[str
 
 
 class LettersRun(BaseModel):
-    """A native letters compare run (its folder, and `variant`, or None for its main setting) as an lm_eval compare's source.
+    """A native letters compare run (its folder, and `variant`, or None for its main setting) as an lm_eval
+    compare's source.
 
     `splits`: test splits written as `generate_until` tasks `letters_<split>`; `choice_split`: the
     split written as the multiple-choice task `letters_<split>_choice` (None: none).
@@ -157,7 +159,8 @@ class LettersRun(BaseModel):
         return "" if self.variant is None else f"{self.variant}/"
 
     def native_systems(self) -> dict[str, dict]:
-        """The setting's systems as the native run scored them (results.json records, names without the variant prefix)."""
+        """The setting's systems as the native run scored them (results.json records, names without the variant
+        prefix)."""
         prefix = self._prefix()
         return {
             name[len(prefix) :]: record

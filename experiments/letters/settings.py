@@ -1,4 +1,5 @@
-"""The letter-replacement task type (`task: {type: letters}`, the default): its settings, training strings and evaluation data."""
+"""The letter-replacement task type (`task: {type: letters}`, the default): its settings, training strings and
+evaluation data."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from mergecompose.experiments.strings import TrainingStrings, is_held_out
 
 @register_task_type("letters")
 class LettersTaskSettings(BaseModel):
-    """The letter-replacement task: skills as data (name -> {source: replacement}); see `mergecompose.experiments.registry.TaskType`."""
+    """The letter-replacement task: skills as data (name -> {source: replacement}); see
+    `mergecompose.experiments.registry.TaskType`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -1,11 +1,12 @@
-"""`type: lm_eval` compares: given checkpoints (full or LoRA, local or hub), their merges and compositions, scored by lm-eval.
+"""`type: lm_eval` compares: given checkpoints (full or LoRA, local or hub), their merges and compositions,
+scored by lm-eval. The modules, under `mergecompose.experiments.lm_eval`:
 
-    mergecompose.experiments.lm_eval.config   the typed config (`LmEvalCompareConfig`), validated as a whole at load time
-    mergecompose.experiments.lm_eval.catalog  which lm-eval tasks exist and which run model-written code (lm-eval's task index)
-    mergecompose.experiments.lm_eval.systems  the systems as lm-eval models; merges (mergekit) and dense LoRA experts, cached
-    mergecompose.experiments.lm_eval.cells    one (system, task) cell: lm-eval's `simple_evaluate`, records with 95 % intervals
-    mergecompose.experiments.lm_eval.report   results.md and bars.png
-    mergecompose.experiments.lm_eval.run      the whole compare, registered as the compare kind `lm_eval` (`mergecompose.experiments.registry`)
+    config   the typed config (`LmEvalCompareConfig`), validated as a whole at load time
+    catalog  which lm-eval tasks exist and which run model-written code (lm-eval's task index)
+    systems  the systems as lm-eval models; merges (mergekit) and dense LoRA experts, cached
+    cells    one (system, task) cell: lm-eval's `simple_evaluate`, records with 95 % intervals
+    report   results.md and bars.png
+    run      the whole compare, registered as the compare kind `lm_eval` (`mergecompose.experiments.registry`)
 
 It needs the `lm-eval` extra; `mergecompose.experiments.compare` imports it only when lm-eval is installed.
 """

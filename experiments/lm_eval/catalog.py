@@ -1,8 +1,8 @@
 """Which lm-eval tasks exist, and which run model-written code: read from lm-eval's task index, before any model loads.
 
-lm-eval's `TaskManager` indexes every task YAML it ships (about 15,000 names; 10 – 20 s) and
-those under `include_path`. When every name asked for is found under `include_path` alone, the
-shipped tasks are not indexed at all (the tiny local tasks of the tests cost milliseconds).
+lm-eval's `TaskManager` indexes every task YAML it ships (a slow step) and those under
+`include_path`. When every name asked for is found under `include_path` alone, the shipped
+tasks are not indexed at all (so the tiny local tasks of the tests are found at once).
 Managers are cached per (include paths, with or without the shipped tasks) for the process.
 
 A task is *unsafe* when its YAML (with its `include:`s) sets `unsafe_code: true`, as lm-eval's
@@ -28,7 +28,8 @@ def _manager(include_paths: tuple[str, ...], include_defaults: bool) -> TaskMana
 
 
 def task_manager(names: Sequence[str], include_paths: Sequence[str] = ()) -> TaskManager:
-    """A `TaskManager` that knows `names`: the `include_paths` tasks alone if they hold them all, else with lm-eval's own."""
+    """A `TaskManager` that knows `names`: the `include_paths` tasks alone if they hold them all, else with
+    lm-eval's own."""
     include_paths = tuple(str(path) for path in include_paths)
     if include_paths:
         local = _manager(include_paths, False)

@@ -245,7 +245,8 @@ class LmEvalCompareConfig(_Strict):
         unsafe = unsafe_tasks(manager, names)
         if unsafe and not self.allow_code_execution:
             raise ValueError(
-                f"tasks {unsafe} execute model-written code; set `allow_code_execution: true` in the config to run them "
+                f"tasks {unsafe} execute model-written code; "
+                "set `allow_code_execution: true` in the config to run them "
                 "(lm-eval's confirm_run_unsafe_code), preferably in a sandbox"
             )
         return manager

@@ -126,7 +126,8 @@ class PredictConfig(_Strict):
             task["joint"] = list(_compatible_pair(family_name, family))
         elif family.letter_skills is not None:
             raise ValueError(
-                f"family {family_name!r}: `letter_skills` is for letters families, the compare config is {task.get('type')!r}"
+                f"family {family_name!r}: `letter_skills` is for letters families, "
+                f"the compare config is {task.get('type')!r}"
             )
         else:
             available = len(task.get("skills", []))
@@ -144,7 +145,8 @@ class PredictConfig(_Strict):
             raise ValueError(f"family {family_name!r}: {validation_message(error)}") from None
         if config.task.formulation != "seq2seq":
             raise ValueError(
-                f"family {family_name!r}: the sweep decodes prompts and needs the seq2seq formulation, got {config.task.formulation!r}"
+                f"family {family_name!r}: the sweep decodes prompts and needs the seq2seq formulation, "
+                f"got {config.task.formulation!r}"
             )
         for setting in family.settings:
             _check_setting(family_name, config, setting)
@@ -190,7 +192,8 @@ def _check_setting(family_name: str, config: CompareConfig, setting: SettingSpec
         for name in (a, b):
             if name not in config.task.skills:
                 raise ValueError(
-                    f"{where}: `pair` names {name!r}, which `letter_skills` does not define; valid: {sorted(config.task.skills)}"
+                    f"{where}: `pair` names {name!r}, which `letter_skills` does not define; "
+                    f"valid: {sorted(config.task.skills)}"
                 )
         if a == b:
             raise ValueError(f"{where}: `pair` repeats {a!r}; give two skills (they may share a map)")

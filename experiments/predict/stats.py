@@ -158,7 +158,8 @@ def true_verdicts(records: Sequence[dict], success_threshold: float) -> list[str
 
 
 def leave_one_family_out(records: Sequence[dict], names: Sequence[str], success_threshold: float) -> dict:
-    """`{"heldout_accuracy", "confusion", "n_settings", "per_family"}`: each family scored by a rule fitted on the others.
+    """`{"heldout_accuracy", "confusion", "n_settings", "per_family"}`: each family scored by a rule fitted on the
+    others.
 
     `confusion[true][predicted]` counts settings. With a single family nothing can be held out:
     the accuracy is None.

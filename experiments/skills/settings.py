@@ -57,7 +57,8 @@ _NOT_IN_RECIPE = ("num_experts", "expert_noise", "expert_noise_seed", "activity_
 
 @register_task_type("skills")
 class SkillsTaskSettings(SkillsTaskSpec):
-    """`task:` of a compare config for the sequential-skills family; see `mergecompose.experiments.skills.SkillsTaskSpec`."""
+    """`task:` of a compare config for the sequential-skills family; see
+    `mergecompose.experiments.skills.SkillsTaskSpec`."""
 
     model_config = ConfigDict(allow_inf_nan=False)  # merged with the spec's: every float is finite
 
@@ -111,7 +112,8 @@ class SkillsTaskSettings(SkillsTaskSpec):
         return [skill.name for skill in self.skills]
 
     def data_recipe(self) -> dict:
-        """Everything that shapes the training data; not `num_experts` (checkpoints are shared across k) nor the analysis."""
+        """Everything that shapes the training data; not `num_experts` (checkpoints are shared across k) nor the
+        analysis."""
         return self.model_dump(mode="json", exclude=set(_NOT_IN_RECIPE))
 
     def skill_recipe(self, name: str) -> dict:
@@ -204,7 +206,8 @@ def split_input_at(rng: random.Random, spec: SkillsTaskSpec, split: str, length:
 def distinct_held_out(
     draw: Callable[[], str], count: int, exclude: set[str], what: str, max_draws: int = 1_000_000
 ) -> list[str]:
-    """`count` distinct strings from `draw` that are held out (`mergecompose.experiments.strings.is_held_out`) and not in `exclude`."""
+    """`count` distinct strings from `draw` that are held out (`mergecompose.experiments.strings.is_held_out`) and
+    not in `exclude`."""
     return distinct_strings(lambda: [draw()], count, is_held_out, exclude, what, max_draws)
 
 

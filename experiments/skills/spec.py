@@ -10,7 +10,8 @@ so the composed target applies every skill in its own segment and copies the res
 
 Everything here is data: the skills, their markers and transforms are read from YAML
 (`SkillsTaskSpec`), and `num_experts` picks the first k skills of the list. Nothing here
-tokenizes or trains; `mergecompose.experiments.skills.settings` (splits, training data) and the trainer build on these functions.
+tokenizes or trains; `mergecompose.experiments.skills.settings` (splits, training data) and the trainer build on
+these functions.
 
 Region labels mark what each target character is, so that a wrong output can be placed:
 `BACKGROUND` (plain text), `SEGMENT` (inside a marker pair), `BOUNDARY` (a marker character,
@@ -25,7 +26,14 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from mergecompose.analysis.failures import BACKGROUND, BOUNDARY, END, NO_OWNER, REGION_NAMES, SEGMENT  # noqa: F401 (re-exported)
+from mergecompose.analysis.failures import (  # noqa: F401 (re-exported)
+    BACKGROUND,
+    BOUNDARY,
+    END,
+    NO_OWNER,
+    REGION_NAMES,
+    SEGMENT,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Transforms: one registry, a duplicate name is an error, an unknown name lists the valid ones.
@@ -240,7 +248,8 @@ def find_segments(text: str, skills: Sequence[SkillSpec]) -> list[Segment]:
         if character in opens:
             if current is not None:
                 raise ValueError(
-                    f"`text` has marker {character!r} at {index} inside the {current.name!r} segment opened at {start}: "
+                    f"`text` has marker {character!r} at {index} inside the {current.name!r} segment "
+                    f"opened at {start}: "
                     "segments may not nest"
                 )
             current, start = opens[character], index

@@ -1,4 +1,5 @@
-"""`type: lm_eval` compares: two evaluation paths give one answer, cells resume, merges are chosen and built, bad input is refused.
+"""`type: lm_eval` compares: two evaluation paths give one answer, cells resume, merges are chosen and built, bad
+input is refused.
 
 A scaled-down native letters run with contiguous positions (lm-eval passes no position ids) is
 trained once; the lm_eval compare then scores its systems through lm-eval (`hf` and `composed`)
@@ -343,7 +344,8 @@ def test_a_missing_adapter_folder_is_refused_at_load(native_run, tmp_path):
 
 
 def test_code_tasks_need_the_opt_in(tmp_path, capsys):
-    """The paper's config runs code tasks; without `allow_code_execution` it is refused in one line, before any model."""
+    """The paper's config runs code tasks; without `allow_code_execution` it is refused in one line, before any
+    model."""
     data = yaml.safe_load(open("configs/gemma2_mergebench.yaml"))
     data["allow_code_execution"] = False
     path = tmp_path / "no_opt_in.yaml"

@@ -49,7 +49,8 @@ def _digest_tensors(tensors) -> str:
 
 
 def digests(path: str) -> dict[str, str]:
-    """Digests of the base's initial weights, the first 3 training batches (base, first expert) and every eval string."""
+    """Digests of the base's initial weights, the first 3 training batches (base, first expert) and every eval
+    string."""
     config = load_config(path)
     tokenizer = build_tokenizer(config.task.alphabet)
     fmt = sequence_format(config, tokenizer)
