@@ -19,24 +19,32 @@ through unstable end-of-sequence prediction. Three remedies, applied in this ord
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mergecompose.composition.rule import check_scores, check_weights, compose_logprobs
+from mergecompose.composition.rule import (
+    check_composition_arguments,
+    check_scores,
+    check_weights,
+    compose_logprobs,
+    compose_logprobs_unchecked,
+)
 from mergecompose.core.io import validation_message
 
 
-def _check_threshold(value, name: str) -> None:
+def _check_threshold(value: object, name: str) -> None:
     """A KL threshold in nats: a finite number >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
         raise ValueError(f"`{name}` must be >= 0 and finite (nats of KL), got {value!r}")
 
 
-def _check_share(value, name: str) -> None:
+def _check_share(value: object, name: str) -> None:
     """A probability share in (0, 1]."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
         raise ValueError(f"`{name}` must be in (0, 1], got {value!r}")
@@ -62,7 +70,7 @@ class ActivityGate:
 
     threshold: float = 0.1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_threshold(self.threshold, "threshold")
 
     def active(self, components: torch.Tensor) -> torch.Tensor:
@@ -77,7 +85,7 @@ class PlausibilityFilter:
     alpha: float | None = 0.1
     top_p: float | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.alpha is None and self.top_p is None:
             raise ValueError("`PlausibilityFilter` needs `alpha` or `top_p`, got neither")
         _check_share(self.alpha, "alpha")
@@ -105,7 +113,7 @@ class TerminationRule:
     source: str = "base"
     threshold: float = 0.1  # activity threshold for source="active"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.source not in ("base", "active"):
             raise ValueError(f"`source` must be 'base' or 'active', got {self.source!r}")
         _check_threshold(self.threshold, "threshold")
@@ -134,18 +142,31 @@ class TerminationRule:
         return torch.where(count > 0, mean_active, eos_logprobs[0])
 
 
+# The rule the remedies wrap: `compose_logprobs` (checked) or `compose_logprobs_unchecked`.
+_Rule = Callable[[torch.Tensor, Sequence[torch.Tensor], torch.Tensor | None], torch.Tensor]
+
+
 def compose_with_remedies(
     components: torch.Tensor,
     weights: Sequence[float] | None = None,
     remedies: Sequence[object] = (),
-    validate: bool = True,
+    validate: bool | None = None,
 ) -> torch.Tensor:
-    """Compose `(k+1, ..., V)` component log-probs (base first) with the given remedies.
+    """Compose `(k+1, ..., V)` component log-probs (base first) with the given remedies, after checking them.
 
     Without remedies this is exactly `compose_logprobs(components[0], components[1:], weights)`.
-    Returns `(..., V)` float32 log-probs. `weights` must be finite; with `validate`, `components`
-    must hold no NaN or +inf (checked before they are normalised, so the error names the input).
+    Returns `(..., V)` float32 log-probs. `weights` must be finite and `components` must hold no NaN
+    or +inf (checked before they are normalised, so the error names the input); the remedies are
+    checked by `check_remedies`. `validate` is deprecated: call `compose_with_remedies_unchecked`
+    for the arithmetic without the checks of values (False skipped them).
     """
+    if validate is not None:
+        warnings.warn(
+            "`compose_with_remedies(..., validate=...)` is deprecated and will be removed in the next release; "
+            "call `compose_with_remedies_unchecked` for the composition without its checks",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     if not isinstance(components, torch.Tensor) or components.dim() < 2:
         raise ValueError(
             "`components` must be a (k+1, ..., V) tensor of logits or log-probs, base first, got "
@@ -156,16 +177,67 @@ def compose_with_remedies(
             )
         )
     weights = check_weights(weights, components.shape[0] - 1)
-    if validate:
-        check_scores(components, "`components` (index 0 is the base, then the experts)")
-    gates = [r for r in remedies if isinstance(r, ActivityGate)]
-    filters = [r for r in remedies if isinstance(r, PlausibilityFilter)]
-    terminations = [r for r in remedies if isinstance(r, TerminationRule)]
+    if validate is False:
+        check_remedies(remedies, components.shape[-1])
+        return _compose(components, weights, remedies, _rule_with_argument_checks)
+    check_scores(components, "`components` (index 0 is the base, then the experts)")
+    check_remedies(remedies, components.shape[-1])
+    return _compose(components, weights, remedies, compose_logprobs)
+
+
+def compose_with_remedies_unchecked(
+    components: torch.Tensor, weights: Sequence[float] | None = None, remedies: Sequence[object] = ()
+) -> torch.Tensor:
+    """`compose_with_remedies` without its checks and host syncs, for a decoding loop.
+
+    For `components` built to fit, finite `weights` and remedies checked once (`check_remedies`);
+    a position where every token is ruled out comes out NaN."""
+    return _compose(components, weights, remedies, compose_logprobs_unchecked)
+
+
+def step_composer(
+    weights: Sequence[float] | None, remedies: Sequence[object], vocab_size: int, checked: bool
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The composition of every step of a decoding loop, `(k+1, ..., V)` -> `(..., V)`; the remedies checked once.
+
+    `checked` (sampling: NaN must not reach the sampler) composes with `compose_with_remedies`' checks;
+    otherwise without, and the loop looks for NaN in the composed scores itself."""
+    check_remedies(remedies, vocab_size)
+    rule = compose_with_remedies if checked else compose_with_remedies_unchecked
+    return partial(rule, weights=weights, remedies=remedies)
+
+
+def check_remedies(remedies: Sequence[object], vocab_size: int) -> None:
+    """Refuse what is not a remedy, more than one `TerminationRule`, and an EOS id outside the vocabulary."""
     unknown = [r for r in remedies if not isinstance(r, (ActivityGate, PlausibilityFilter, TerminationRule))]
     if unknown:
         raise ValueError(f"unknown remedy {unknown[0]!r}; allowed: ActivityGate, PlausibilityFilter, TerminationRule")
+    terminations = [r for r in remedies if isinstance(r, TerminationRule)]
     if len(terminations) > 1:
         raise ValueError(f"at most one TerminationRule can be given, got {len(terminations)}")
+    for termination in terminations:
+        if max(termination.eos_ids) >= vocab_size:
+            raise ValueError(
+                f"`TerminationRule.eos_token_id` must be below the vocabulary size {vocab_size}, "
+                f"got {termination.eos_token_id!r}"
+            )
+
+
+def _rule_with_argument_checks(
+    base: torch.Tensor, experts: Sequence[torch.Tensor], weights: torch.Tensor | None
+) -> torch.Tensor:
+    """The rule as `compose_with_remedies(validate=False)` ran it: arguments checked, values not."""
+    check_composition_arguments(base, experts, weights)
+    return compose_logprobs_unchecked(base, experts, weights)
+
+
+def _compose(
+    components: torch.Tensor, weights: Sequence[float] | None, remedies: Sequence[object], rule: _Rule
+) -> torch.Tensor:
+    """The remedies around `rule`: gates set the exponents, filters and the termination rule change its output."""
+    gates = [r for r in remedies if isinstance(r, ActivityGate)]
+    filters = [r for r in remedies if isinstance(r, PlausibilityFilter)]
+    terminations = [r for r in remedies if isinstance(r, TerminationRule)]
     components = torch.log_softmax(components.float(), dim=-1)  # (k+1, ..., V)
     k = components.shape[0] - 1
 
@@ -179,18 +251,13 @@ def compose_with_remedies(
         for gate in gates:
             exponents = exponents * gate.active(components)
 
-    composed = compose_logprobs(components[0], list(components[1:]), exponents, validate=validate)  # (..., V)
+    composed = rule(components[0], list(components[1:]), exponents)  # (..., V)
 
     for plausibility in filters:
         composed = torch.log_softmax(composed.masked_fill(~plausibility.allowed(components), float("-inf")), dim=-1)
 
     for termination in terminations:
         eos = torch.as_tensor(termination.eos_token_id, device=components.device).reshape(-1)
-        if max(termination.eos_ids) >= components.shape[-1]:  # on the host: no device sync per step
-            raise ValueError(
-                f"`TerminationRule.eos_token_id` must be below the vocabulary size {components.shape[-1]}, "
-                f"got {termination.eos_token_id!r}"
-            )
         target = termination.eos_logprob(components, eos)  # (...,)
         is_eos = torch.zeros(components.shape[-1], dtype=torch.bool, device=components.device)
         is_eos[eos] = True
@@ -227,7 +294,7 @@ class RemedySettings(BaseModel):
     termination_threshold: float = Field(0.1, ge=0)
 
     @model_validator(mode="after")
-    def _something(self):
+    def _something(self) -> RemedySettings:
         if (
             self.gate is None
             and self.plausibility_alpha is None

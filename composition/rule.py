@@ -3,11 +3,16 @@
     log p̂ = log p_b + Σ_i w_i (log p_i − log p_b) − log Z
 
 With every w_i = 1 this is the paper's product of experts p_b · Π_i p_i / p_b.
+
+`compose_logprobs_unchecked` is the arithmetic alone. `compose_logprobs` runs `check_composition` on its
+inputs first, and refuses a result that rules out every token; a decoding loop checks once and then calls
+the unchecked rule at every step.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -17,15 +22,33 @@ import torch
 # way: `clamp(log p_base, min=-1e4)`.
 LOGPROB_FLOOR = -1e4
 
+# k exponents: a float per expert, or a tensor (k,) or (k, ...) broadcastable to the leading dims of `base`.
+Weights = Sequence[float] | torch.Tensor | None
+
+
+def compose_logprobs_unchecked(
+    base: torch.Tensor,
+    experts: Sequence[torch.Tensor],
+    weights: Weights = None,
+    floor: float = LOGPROB_FLOOR,
+) -> torch.Tensor:
+    """The rule's arithmetic, log_softmax((1 − Σw) · b + Σ_i w_i · ℓ_i), with no checks and no host sync.
+
+    Arguments and result are `compose_logprobs`'s. For inputs already checked (`check_composition`) or
+    built to fit, e.g. by a decoding loop, which then looks for NaN in the result itself: a position
+    where every token is ruled out comes out NaN here, where `compose_logprobs` raises.
+    """
+    return torch.log_softmax(_exponent_sum(base, experts, weights, floor), dim=-1)
+
 
 def compose_logprobs(
     base: torch.Tensor,
     experts: Sequence[torch.Tensor],
-    weights: Sequence[float] | torch.Tensor | None = None,
+    weights: Weights = None,
     floor: float = LOGPROB_FLOOR,
-    validate: bool = True,
+    validate: bool | None = None,
 ) -> torch.Tensor:
-    """Compose next-token distributions: log_softmax(b + Σ_i w_i (ℓ_i − b)).
+    """Compose next-token distributions: log_softmax(b + Σ_i w_i (ℓ_i − b)), after checking the inputs.
 
     Args:
         base: `(..., V)` logits or log-probs of the base model.
@@ -34,9 +57,8 @@ def compose_logprobs(
             tensor of shape `(k,)` or `(k, ...)` broadcastable to `base.shape[:-1]`, e.g. per-position
             weights `(k, B, T)` for gating.
         floor: the finite value that -inf log-probs are clamped to where their exponent is ≤ 0.
-        validate: check the inputs for NaN and +inf and for all-(-inf) rows, and tensor `weights`
-            for non-finite values (each check reads a flag back from the device). A decoding loop
-            may pass False and check the output for NaN itself, once.
+        validate: deprecated; call `compose_logprobs_unchecked` for the rule without its checks.
+            False skipped the checks of values (NaN, +inf, all -inf rows, non-finite tensor `weights`).
 
     Returns:
         `(..., V)` float32 log-probs of the composed distribution, normalised over V.
@@ -60,40 +82,18 @@ def compose_logprobs(
             shape, or not finite; a `floor` that is not finite and negative; NaN or +inf in any
             input; or a position where every token is ruled out.
     """
-    _check_tensor(base, "base")
-    if isinstance(experts, torch.Tensor) or not isinstance(experts, Sequence):
-        raise TypeError(f"`experts` must be a list of tensors, got {type(experts).__name__}")
-    if len(experts) == 0:
-        raise ValueError("`experts` must hold at least one tensor, got an empty sequence")
-    if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor < 0):
-        raise ValueError(f"`floor` must be a finite negative number (a log-prob), got {floor!r}")
-    for index, expert in enumerate(experts):
-        _check_tensor(expert, f"experts[{index}]")
-        if expert.shape[-1] != base.shape[-1]:
-            raise ValueError(
-                f"vocabulary size mismatch: `experts[{index}]` has V={expert.shape[-1]}, "
-                f"`base` has V={base.shape[-1]}; all components must share one vocabulary"
-            )
-        if expert.shape != base.shape:
-            raise ValueError(
-                f"shape mismatch: `experts[{index}]` has shape {tuple(expert.shape)}, "
-                f"`base` has {tuple(base.shape)}; all components must have the same shape"
-            )
-    for name, tensor in [("base", base)] + [(f"experts[{i}]", e) for i, e in enumerate(experts)] if validate else []:
-        check_scores(tensor, f"`{name}`")
-        if torch.isneginf(tensor).all(dim=-1).any():
-            raise ValueError(f"`{name}` rules out every token (-inf everywhere) at one or more positions")
-
-    k = len(experts)
-    weight_tensor = _weights_tensor(weights, k, base, validate)  # (k, ...) broadcastable to base[..., :1]
-
-    base_logprobs = torch.log_softmax(base.float(), dim=-1)  # (..., V)
-    total = _weighted(base_logprobs, 1.0 - weight_tensor.sum(0), floor)
-    for index, expert in enumerate(experts):
-        expert_logprobs = torch.log_softmax(expert.float(), dim=-1)  # (..., V)
-        total = total + _weighted(expert_logprobs, weight_tensor[index], floor)
-
-    if validate and torch.isneginf(total).all(dim=-1).any():
+    if validate is not None:
+        warnings.warn(
+            "`compose_logprobs(..., validate=...)` is deprecated and will be removed in the next release; "
+            "call `compose_logprobs_unchecked` for the rule without its checks",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    if validate is False:
+        checked_weights = _check_arguments(base, experts, weights, floor)
+        return torch.log_softmax(_exponent_sum(base, experts, checked_weights, floor), dim=-1)
+    total = _exponent_sum(base, experts, _check_inputs(base, experts, weights, floor), floor)  # (..., V)
+    if torch.isneginf(total).all(dim=-1).any():
         raise ValueError(
             "every token is ruled out (-inf) by some component with a positive exponent at "
             "one or more positions; the composed distribution is undefined there"
@@ -101,7 +101,49 @@ def compose_logprobs(
     return torch.log_softmax(total, dim=-1)
 
 
-def check_weights(weights, num_experts: int) -> list[float] | None:
+def check_composition(
+    base: torch.Tensor, experts: Sequence[torch.Tensor], weights: Weights = None, floor: float = LOGPROB_FLOOR
+) -> None:
+    """Raise what `compose_logprobs` raises for these inputs before it computes (each value check reads back a flag).
+
+    Types, shapes and vocabularies; NaN, +inf and all -inf rows in each component; the number, shape
+    and finiteness of `weights`; `floor`."""
+    _check_inputs(base, experts, weights, floor)
+
+
+def check_composition_arguments(
+    base: torch.Tensor, experts: Sequence[torch.Tensor], weights: Weights = None, floor: float = LOGPROB_FLOOR
+) -> None:
+    """The checks of `check_composition` that read nothing back from the device: types, shapes, vocabularies,
+    the number and shape of `weights` (a list's values too) and `floor`."""
+    _check_arguments(base, experts, weights, floor)
+
+
+def _check_arguments(
+    base: torch.Tensor, experts: Sequence[torch.Tensor], weights: Weights, floor: float
+) -> torch.Tensor | None:
+    """`check_composition_arguments`, returning the checked `weights` as a float32 tensor (None stays None)."""
+    _check_components(base, experts, floor)
+    return _check_weight_shape(weights, len(experts), base)
+
+
+def _check_inputs(
+    base: torch.Tensor, experts: Sequence[torch.Tensor], weights: Weights, floor: float
+) -> torch.Tensor | None:
+    """`check_composition`, returning the checked `weights` as a float32 tensor (None stays None)."""
+    _check_components(base, experts, floor)
+    for name, tensor in [("base", base), *((f"experts[{index}]", expert) for index, expert in enumerate(experts))]:
+        check_scores(tensor, f"`{name}`")
+        if torch.isneginf(tensor).all(dim=-1).any():
+            raise ValueError(f"`{name}` rules out every token (-inf everywhere) at one or more positions")
+    weight_tensor = _check_weight_shape(weights, len(experts), base)
+    if weight_tensor is not None and not torch.isfinite(weight_tensor).all():
+        where = tuple((~torch.isfinite(weight_tensor)).nonzero()[0].tolist())
+        raise ValueError(f"`weights` must be finite, got {weight_tensor[where].item()} at index {where}")
+    return weight_tensor
+
+
+def check_weights(weights: object, num_experts: int) -> list[float] | None:
     """`weights` as a list of `num_experts` finite floats (None stays None); errors name the index and value."""
     if weights is None:
         return None
@@ -130,17 +172,38 @@ def check_scores(tensor: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} contains {value} at index {where}; logits and log-probs must be finite or -inf")
 
 
-def _check_tensor(value, name: str) -> None:
+def _check_components(base: torch.Tensor, experts: Sequence[torch.Tensor], floor: float) -> None:
+    """Types, count, shapes and vocabularies of the components, and `floor`: what needs no device sync."""
+    _check_tensor(base, "base")
+    if isinstance(experts, torch.Tensor) or not isinstance(experts, Sequence):
+        raise TypeError(f"`experts` must be a list of tensors, got {type(experts).__name__}")
+    if len(experts) == 0:
+        raise ValueError("`experts` must hold at least one tensor, got an empty sequence")
+    if not (isinstance(floor, (int, float)) and math.isfinite(floor) and floor < 0):
+        raise ValueError(f"`floor` must be a finite negative number (a log-prob), got {floor!r}")
+    for index, expert in enumerate(experts):
+        _check_tensor(expert, f"experts[{index}]")
+        if expert.shape[-1] != base.shape[-1]:
+            raise ValueError(
+                f"vocabulary size mismatch: `experts[{index}]` has V={expert.shape[-1]}, "
+                f"`base` has V={base.shape[-1]}; all components must share one vocabulary"
+            )
+        if expert.shape != base.shape:
+            raise ValueError(
+                f"shape mismatch: `experts[{index}]` has shape {tuple(expert.shape)}, "
+                f"`base` has {tuple(base.shape)}; all components must have the same shape"
+            )
+
+
+def _check_tensor(value: object, name: str) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"`{name}` must be a torch.Tensor of logits or log-probs, got {type(value).__name__}")
 
 
-def _weights_tensor(weights, k: int, base: torch.Tensor, validate: bool = True) -> torch.Tensor:
-    """Return weights as a float32 tensor of shape (k, ..., 1) that broadcasts against base.
-
-    A list is checked on the host; a tensor's values only with `validate` (it costs a device sync)."""
+def _check_weight_shape(weights: Weights, k: int, base: torch.Tensor) -> torch.Tensor | None:
+    """Check `weights` on the host (a list: its values; a tensor: its shape); return it as a float32 tensor, or None."""
     if weights is None:
-        return torch.ones(k, *([1] * base.dim()), device=base.device)
+        return None
     if not isinstance(weights, torch.Tensor):
         weights = check_weights(weights, k)
     weight_tensor = torch.as_tensor(weights, dtype=torch.float32, device=base.device)
@@ -154,9 +217,25 @@ def _weights_tensor(weights, k: int, base: torch.Tensor, validate: bool = True) 
             f"`weights` of shape {tuple(weight_tensor.shape)} must be (k,) or (k, ...) matching the leading dims of "
             f"`base` {positions} (each the same size or 1), e.g. ({k}, {', '.join(map(str, positions))})"
         )
-    if validate and not torch.isfinite(weight_tensor).all():
-        where = tuple((~torch.isfinite(weight_tensor)).nonzero()[0].tolist())
-        raise ValueError(f"`weights` must be finite, got {weight_tensor[where].item()} at index {where}")
+    return weight_tensor
+
+
+def _exponent_sum(base: torch.Tensor, experts: Sequence[torch.Tensor], weights: Weights, floor: float) -> torch.Tensor:
+    """(1 − Σw) · b + Σ_i w_i · ℓ_i over log-softmaxed components `(..., V)`: the rule before it is renormalised."""
+    weight_tensor = _weight_tensor(weights, len(experts), base)  # (k, ..., 1), broadcasts against base
+    base_logprobs = torch.log_softmax(base.float(), dim=-1)  # (..., V)
+    total = _weighted(base_logprobs, 1.0 - weight_tensor.sum(0), floor)  # (..., V)
+    for index, expert in enumerate(experts):
+        expert_logprobs = torch.log_softmax(expert.float(), dim=-1)  # (..., V)
+        total = total + _weighted(expert_logprobs, weight_tensor[index], floor)
+    return total
+
+
+def _weight_tensor(weights: Weights, k: int, base: torch.Tensor) -> torch.Tensor:
+    """`weights` as a float32 tensor of shape (k, ..., 1) that broadcasts against `base` (None: all 1)."""
+    if weights is None:
+        return torch.ones(k, *([1] * base.dim()), device=base.device)
+    weight_tensor = torch.as_tensor(weights, dtype=torch.float32, device=base.device)  # (k, *lead)
     # (k, *lead) -> (k, *lead, 1, ..., 1) so that it broadcasts over (..., V).
     return weight_tensor.reshape(*weight_tensor.shape, *([1] * (base.dim() + 1 - weight_tensor.dim())))
 

@@ -41,7 +41,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.model_executor.models.utils import maybe_prefix
 
-from mergecompose.composition.rule import compose_logprobs
+from mergecompose.composition.rule import compose_logprobs_unchecked
 
 
 class ComposedForCausalLM(nn.Module):
@@ -135,8 +135,8 @@ class ComposedForCausalLM(nn.Module):
         for name in self.component_names:
             if name not in logits:
                 logits[name] = getattr(self, name).compute_logits(chunks[name])  # (tokens, V)
-        return compose_logprobs(
-            logits["base"], [logits[name] for name in self.component_names[1:]], self.weights, validate=False
+        return compose_logprobs_unchecked(
+            logits["base"], [logits[name] for name in self.component_names[1:]], self.weights
         )  # (tokens, V)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -1,6 +1,7 @@
 """Remedies for composing many experts: gating, plausibility, termination."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from mergecompose.composition import (
     TerminationRule,
     compose_logprobs,
     compose_with_remedies,
+    compose_with_remedies_unchecked,
 )
-from mergecompose.composition.remedies import kl_to_base
+from mergecompose.composition.remedies import check_remedies, kl_to_base
 
 
 def log(values):
@@ -139,3 +141,22 @@ def test_composed_lm_with_a_gate_that_nothing_passes_decodes_like_the_base(base_
     )
     assert torch.equal(out, expected)
     torch.testing.assert_close(composed.logprobs(ids), torch.log_softmax(base_model(ids).logits, -1))
+
+
+def test_unchecked_composition_and_the_deprecated_validate():
+    torch.manual_seed(0)
+    components = torch.randn(3, 2, 4, 8)
+    remedies = [ActivityGate(0.05), PlausibilityFilter(0.1), TerminationRule(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning without `validate`
+        checked = compose_with_remedies(components, [1.0, 0.5], remedies)
+    assert torch.equal(compose_with_remedies_unchecked(components, [1.0, 0.5], remedies), checked)
+    for validate in (True, False):
+        with pytest.deprecated_call(match=r"`compose_with_remedies\(..., validate=...\)` is deprecated"):
+            assert torch.equal(compose_with_remedies(components, [1.0, 0.5], remedies, validate=validate), checked)
+    with pytest.deprecated_call():  # validate=False skipped the checks of values
+        assert torch.isnan(compose_with_remedies(components * math.nan, validate=False)).all()
+    with pytest.raises(ValueError, match="must be below the vocabulary size 8, got 99"):
+        check_remedies([TerminationRule(99)], 8)
+    with pytest.raises(ValueError, match="at most one TerminationRule"):
+        check_remedies([TerminationRule(2), TerminationRule(3)], 8)

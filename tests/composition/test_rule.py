@@ -1,13 +1,14 @@
 """compose_logprobs: golden values, invariants, -inf handling and input errors."""
 
 import math
+import warnings
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergecompose.composition import compose_logprobs
+from mergecompose.composition import check_composition, compose_logprobs, compose_logprobs_unchecked
 
 
 def test_golden_values_two_experts():
@@ -122,6 +123,39 @@ def test_single_expert_weight_one_ignores_base_minus_inf():
 def test_bad_input_raises(base, experts, weights, message):
     with pytest.raises(ValueError, match=message):
         compose_logprobs(base, experts, weights)
+
+
+def test_check_composition_raises_what_compose_logprobs_raises_before_computing():
+    with pytest.raises(ValueError, match=r"`experts\[0\]` contains NaN"):
+        check_composition(torch.zeros(2, 5), [torch.tensor([[0.0, math.nan, 0, 0, 0]] * 2)])
+    with pytest.raises(ValueError, match=r"`weights` must be finite, got inf at index \(1,\)"):
+        check_composition(torch.zeros(2, 5), [torch.zeros(2, 5)] * 2, torch.tensor([1.0, math.inf]))
+    check_composition(torch.zeros(2, 5), [torch.zeros(2, 5)], [0.5])  # valid: no error, nothing returned
+
+
+def test_unchecked_rule_is_the_checked_rule_without_its_checks():
+    torch.manual_seed(0)
+    base, experts = torch.randn(3, 8), [torch.randn(3, 8), torch.randn(3, 8)]
+    for weights in (None, [0.3, 1.2], torch.rand(2, 3)):
+        assert torch.equal(compose_logprobs_unchecked(base, experts, weights), compose_logprobs(base, experts, weights))
+    # Where every token is ruled out the checked rule raises; the unchecked one returns NaN there.
+    ruled_out = compose_logprobs_unchecked(torch.tensor([0.0, -math.inf]), [torch.tensor([-math.inf, 0.0])], [0.5])
+    assert torch.isnan(ruled_out).all()
+
+
+def test_validate_is_a_deprecated_alias():
+    base, expert = torch.tensor([[0.0, 1.0, 2.0]]), torch.tensor([[2.0, 1.0, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning without `validate`
+        plain = compose_logprobs(base, [expert])
+    for validate in (True, False):
+        with pytest.deprecated_call(match=r"`compose_logprobs\(..., validate=...\)` is deprecated"):
+            assert torch.equal(compose_logprobs(base, [expert], validate=validate), plain)
+    # validate=False skipped the checks of values, not those of the arguments.
+    with pytest.deprecated_call():
+        assert torch.isnan(compose_logprobs(base * math.nan, [expert], validate=False)).all()
+    with pytest.deprecated_call(), pytest.raises(ValueError, match="shape mismatch"):
+        compose_logprobs(base, [torch.zeros(2, 3)], validate=False)
 
 
 # ----------------------------------------------------------------------------- properties
