@@ -20,7 +20,7 @@ from mergecompose.analysis.parameters import parameter_overlap
 from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.analysis.streaming import OverlapAccumulator, OverlapReport
 from mergecompose.composition import ComposedLM, compose_with_remedies
-from mergecompose.composition.model import as_mask, as_token_ids
+from mergecompose.composition.inputs import as_mask, as_token_ids
 from mergecompose.composition.rule import check_weights
 
 

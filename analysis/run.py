@@ -19,7 +19,7 @@ from mergecompose.analysis.predict import load_rule, recommend, unlabelled_diagn
 from mergecompose.analysis.report import write_outputs
 from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.model import is_adapter_source
+from mergecompose.composition.loading import is_adapter_source
 from mergecompose.core.adapters import merged_adapter_model
 from mergecompose.core.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
 from mergecompose.core.sources import check_tokenizer_source

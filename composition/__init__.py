@@ -1,5 +1,7 @@
 """Probability-space composition: log p̂ = log p_b + Σ_i w_i (log p_i − log p_b), renormalised."""
 
+from mergecompose.composition.acceptance import outcome_probabilities
+from mergecompose.composition.config import DecodingConfig
 from mergecompose.composition.model import ComposedLM
 from mergecompose.composition.remedies import (
     ActivityGate,
@@ -7,18 +9,23 @@ from mergecompose.composition.remedies import (
     RemedySettings,
     TerminationRule,
     compose_with_remedies,
+    compose_with_remedies_unchecked,
 )
-from mergecompose.composition.rule import compose_logprobs
-from mergecompose.composition.speculative import SpeculationStats, outcome_probabilities
+from mergecompose.composition.rule import check_composition, compose_logprobs, compose_logprobs_unchecked
+from mergecompose.composition.speculative import SpeculationStats
 
 __all__ = [
     "ActivityGate",
     "ComposedLM",
+    "DecodingConfig",
     "PlausibilityFilter",
     "RemedySettings",
     "SpeculationStats",
     "TerminationRule",
+    "check_composition",
     "compose_logprobs",
+    "compose_logprobs_unchecked",
     "compose_with_remedies",
+    "compose_with_remedies_unchecked",
     "outcome_probabilities",
 ]

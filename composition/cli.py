@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import tempfile
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from mergecompose.core.cli_common import add_common_flags
 from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
 
 
-def add_commands(subparsers) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = subparsers.add_parser("demo", help="composed greedy generation on a tiny random model (no downloads)")
     demo.add_argument("--max-new-tokens", type=int, default=12)
     demo.add_argument("--seed", type=int, default=0)
@@ -20,8 +21,7 @@ def add_commands(subparsers) -> None:
     demo.set_defaults(func=run_demo)
 
 
-def run_demo(args) -> int:
-
+def run_demo(args: argparse.Namespace) -> int:
     config = tiny_llama_config()
     base = random_llama(config, seed=args.seed)
     with tempfile.TemporaryDirectory() as folder:

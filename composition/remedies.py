@@ -315,7 +315,8 @@ class RemedySettings(BaseModel):
             name, separator, value = part.partition(":")
             if not separator or not name.strip() or not value.strip():
                 raise ValueError(
-                    f"`remedies` must be `field:value` pairs joined by ';' (fields: {sorted(cls.model_fields)}), got {text!r}"
+                    f"`remedies` must be `field:value` pairs joined by ';' (fields: {sorted(cls.model_fields)}), "
+                    f"got {text!r}"
                 )
             values[name.strip()] = value.strip()
         try:

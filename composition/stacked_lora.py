@@ -17,6 +17,8 @@ every module its own forward back.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,9 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 
 # Up to this many rows, a CPU linear is computed as W @ xᵀ (see `_linear_forward`).
 _FEW_ROWS = 64
+
+# A_t (p, in, r_max), B_t (p, r_max, out) and the component index of each of the p experts (p,).
+Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class StackedLoRAUnsupported(ValueError):
@@ -39,11 +44,11 @@ class StackedLoRA:
         adapter_names: the experts, in component order 1..k.
     """
 
-    def __init__(self, peft_model, adapter_names):
+    def __init__(self, peft_model: Any, adapter_names: Sequence[str]) -> None:
         self.adapter_names = list(adapter_names)
         self.n_components = len(self.adapter_names) + 1
         self._on = False
-        stacked = {}
+        stacked: dict[str, Factors] = {}
         for path, module in peft_model.get_base_model().named_modules():
             if not hasattr(module, "lora_A"):
                 continue
@@ -57,33 +62,37 @@ class StackedLoRA:
             stacked[path] = self._stack(module, [self.adapter_names[i] for i in present], present)
         self.factors = {path: (a_t, b_t) for path, (a_t, b_t, _) in stacked.items()}
         self.model = peft_model.unload()  # the base model with its original layers, unmerged
-        self._handles = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         # (module, its instance-level forward before ours or None), for `close()`.
-        self._patched: list[tuple[torch.nn.Module, object]] = []
+        self._patched: list[tuple[torch.nn.Module, Callable[..., torch.Tensor] | None]] = []
         for path, module in self.model.named_modules():
             if isinstance(module, torch.nn.Linear):
                 self._patched.append((module, module.__dict__.get("forward")))
-                module.forward = self._linear_forward(module, stacked.get(path))
+                # An instance attribute: the class's forward is left alone, and `close()` deletes ours.
+                module.__dict__["forward"] = self._linear_forward(module, stacked.get(path))
             elif path in stacked:  # e.g. GPT-2's Conv1D: keep its forward, add the products after it
                 self._handles.append(module.register_forward_hook(self._hook(*stacked[path])))
 
     @staticmethod
-    def _stack(module, names, present):
+    def _stack(module: LoraLinear, names: list[str], present: list[int]) -> Factors:
         """A_t: (p, in, r_max), B_t: (p, r_max, out) with the scaling folded into B; zero-padded ranks."""
-        ranks = [module.lora_A[name].weight.shape[0] for name in names]
-        in_features = module.lora_A[names[0]].weight.shape[1]
-        out_features = module.lora_B[names[0]].weight.shape[0]
-        weight = module.lora_A[names[0]].weight
+        a = [_weight(module.lora_A[name]) for name in names]  # (r_j, in) each
+        b = [_weight(module.lora_B[name]) for name in names]  # (out, r_j) each
+        ranks = [weight.shape[0] for weight in a]
+        in_features, out_features = a[0].shape[1], b[0].shape[0]
+        weight = a[0]
         a_t = torch.zeros(len(names), in_features, max(ranks), dtype=weight.dtype, device=weight.device)
         b_t = torch.zeros(len(names), max(ranks), out_features, dtype=weight.dtype, device=weight.device)
         for j, name in enumerate(names):
             rank = ranks[j]
-            a_t[j, :, :rank] = module.lora_A[name].weight.detach().T
-            b_t[j, :rank, :] = (module.lora_B[name].weight.detach() * module.scaling[name]).T
+            a_t[j, :, :rank] = a[j].detach().T
+            b_t[j, :rank, :] = (b[j].detach() * module.scaling[name]).T
         index = torch.tensor([i + 1 for i in present], device=weight.device)
         return a_t, b_t, index
 
-    def _add_products(self, x, output, a_t, b_t, index):
+    def _add_products(
+        self, x: torch.Tensor, output: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
         """output[expert rows] += s_i B_i A_i x[expert rows], in place; x (N, ..., in), output (N, ..., out)."""
         n = self.n_components
         xs = x.reshape(n, -1, x.shape[-1])  # (k+1, B·T, in)
@@ -97,21 +106,25 @@ class StackedLoRA:
             out.index_add_(0, index, delta.to(out.dtype))
         return output
 
-    def _hook(self, a_t, b_t, index):
-        def add_lora(module, args, output):
+    def _hook(
+        self, a_t: torch.Tensor, b_t: torch.Tensor, index: torch.Tensor
+    ) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]:
+        def add_lora(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
             return self._add_products(args[0], output, a_t, b_t, index) if self._on else output
 
         return add_lora
 
-    def _linear_forward(self, module, factors):
+    def _linear_forward(
+        self, module: torch.nn.Linear, factors: Factors | None
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
         """Replacement forward for an nn.Linear of the shared base.
 
         Outside `active()` it is the plain `F.linear`. Inside, a decoding step has few rows
         ((k+1)·B); on CPU, `W @ xᵀ` reaches the BLAS's matrix-vector-like kernel, which for a few
-        rows is several times faster than `F.linear`'s `x @ Wᵀ` (see benchmarks/README.md).
+        rows is faster than `F.linear`'s `x @ Wᵀ` (benchmarks/README.md has the measurements).
         """
 
-        def forward(x):
+        def forward(x: torch.Tensor) -> torch.Tensor:
             if not self._on:
                 return F.linear(x, module.weight, module.bias)
             rows = x.reshape(-1, x.shape[-1])  # (N, in)
@@ -134,15 +147,20 @@ class StackedLoRA:
         self._handles = []
         for module, previous in self._patched:
             if previous is None:
-                del module.forward  # the class's forward again
+                del module.__dict__["forward"]  # the class's forward again
             else:
-                module.forward = previous
+                module.__dict__["forward"] = previous
         self._patched = []
 
     @contextlib.contextmanager
-    def active(self):
+    def active(self) -> Iterator[None]:
         self._on = True
         try:
             yield
         finally:
             self._on = False
+
+
+def _weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The weight of a LoRA factor (an nn.Linear; `Module.__getattr__` is typed as Tensor | Module)."""
+    return cast(torch.Tensor, layer.weight)

@@ -1,13 +1,14 @@
 """ComposedLM on tiny random Llama models and real peft LoRA adapters."""
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 from peft import PeftModel
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
 
-from mergecompose.composition import ComposedLM, compose_logprobs
+from mergecompose.composition import ComposedLM, DecodingConfig, compose_logprobs
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama, random_lora_adapter, tiny_llama_config
 
 
@@ -314,6 +315,24 @@ def test_sampling_settings_follow_transformers_warpers(composed_full):
         composed_full.generate(ids, max_new_tokens=2, do_sample=True, temperature=0.0)
 
 
+def test_a_decoding_config_decodes_as_its_keyword_arguments(composed_full):
+    ids, mask = left_padded_batch([5, 3], seed=21)
+    options = dict(max_new_tokens=5, do_sample=True, temperature=1.3, top_k=20, seed=4, eos_token_id=EOS)
+    config = DecodingConfig(**options)
+    assert torch.equal(composed_full.generate(ids, mask, config=config), composed_full.generate(ids, mask, **options))
+    # Keyword arguments that differ from their defaults replace the config's fields.
+    shorter = composed_full.generate(ids, mask, config=config, max_new_tokens=2, pad_token_id=PAD)
+    assert torch.equal(
+        shorter, composed_full.generate(ids, mask, **{**options, "max_new_tokens": 2, "pad_token_id": PAD})
+    )
+    with pytest.raises(ValueError, match=r"`top_p` must be a number in \[0, 1\] \(1 or None: no nucleus filtering\)"):
+        DecodingConfig(top_p=1.5)  # checked when built
+    with pytest.raises(ValueError, match="`draft_lambda` needs a draft"):
+        replace(config, draft_lambda=[1.0, 1.0])
+    with pytest.raises(TypeError, match="`config` must be a DecodingConfig or None, got dict"):
+        composed_full.generate(ids, mask, config=options)
+
+
 # ----------------------------------------------------------------------------- from_pretrained
 
 
@@ -325,13 +344,13 @@ def test_from_pretrained_tells_adapters_from_checkpoints(
     ids, mask = left_padded_batch([5, 3], seed=9)
 
     adapters_only = ComposedLM.from_pretrained(base_dir, [lora_dirs["ab"], lora_dirs["cd"]])
-    assert type(adapters_only.backend).__name__ == "_SharedAdapters"
+    assert type(adapters_only.backend).__name__ == "SharedAdapters"
     torch.testing.assert_close(adapters_only.logprobs(ids, mask), composed_lora.logprobs(ids, mask), atol=1e-5, rtol=0)
 
     full_dir = tmp_path / "full"
     expert_models[0].save_pretrained(full_dir)
     mixed = ComposedLM.from_pretrained(base_dir, [full_dir, lora_dirs["cd"]])
-    assert type(mixed.backend).__name__ == "_SeparateModels"
+    assert type(mixed.backend).__name__ == "SeparateModels"
     reference = ComposedLM(
         random_llama(tiny_config, seed=0), [expert_models[0], merged_adapter_model(tiny_config, lora_dirs["cd"])]
     )

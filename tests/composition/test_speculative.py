@@ -1,6 +1,6 @@
 """Speculative decoding of the composed distribution: the rule enumerated exactly, sampled, and greedy.
 
-* The acceptance rule (`mergecompose.composition.speculative`) on float64 probability tables: the distribution
+* The acceptance rule (`mergecompose.composition.acceptance`) on float64 probability tables: the distribution
   of the next tokens, enumerated over every draft and every outcome, is the composed target's.
 * `ComposedLM.generate(draft=...)` on tiny random models: sampled continuations fit the exactly
   enumerated composed joint (chi-square); greedy output equals plain greedy output token for token,
@@ -19,17 +19,17 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.model import _warped_probabilities, _warpers
-from mergecompose.composition.remedies import ActivityGate, PlausibilityFilter, TerminationRule
-from mergecompose.composition.speculative import (
+from mergecompose.composition.acceptance import (
     acceptance_probabilities,
-    attention_bias,
     greedy_accepted,
     outcome_probabilities,
     residual_distributions,
     round_outcomes,
     round_tokens,
 )
+from mergecompose.composition.remedies import ActivityGate, PlausibilityFilter, TerminationRule
+from mergecompose.composition.sampling import sampling_warpers, warped_probabilities
+from mergecompose.composition.speculative import attention_bias
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 from mergecompose.core.training import train_model
 from mergecompose.experiments.config import ModelSettings, TrainingSettings
@@ -145,7 +145,8 @@ def joint_of(tables, num_tokens):
 
 
 def random_tables(vocab, depth, generator, scale=2.0, keep=None):
-    """Conditionals `(V,)*d + (V,)` for d < depth, float64; with `keep`, only the `keep` likeliest tokens are possible."""
+    """Conditionals `(V,)*d + (V,)` for d < depth, float64; with `keep`, only the `keep` likeliest tokens are
+    possible."""
     tables = []
     for level in range(depth):
         logits = scale * torch.randn((vocab,) * level + (vocab,), generator=generator, dtype=torch.float64)
@@ -264,7 +265,7 @@ def alternative_outcomes(target, draft, tokens):
 
 def conditionals(logprobs, warpers, prompt_length, vocab):
     """Warped probabilities after 0, 1 and 2 tokens, from teacher-forced log-probs of every prompt + (x1, x2)."""
-    probabilities = _warped_probabilities(warpers, logprobs).double().view(vocab, vocab, -1, vocab)  # (x1, x2, T, V)
+    probabilities = warped_probabilities(warpers, logprobs).double().view(vocab, vocab, -1, vocab)  # (x1, x2, T, V)
     probabilities = probabilities / probabilities.sum(-1, keepdim=True)  # sums of exactly 1 in float64
     return [
         probabilities[0, 0, prompt_length - 1],
@@ -303,7 +304,7 @@ def test_sampled_continuations_fit_the_composed_joint(noisy_composition):
     both gave p < 0.001. Measured: acceptance rate 0.62, p-values 0.056 (8 cells), 0.146 (all).
     """
     lm, vocab, samples, batch = noisy_composition, 64, 200_000, 50_000
-    warpers = _warpers(True, 1.2, None, 0.95)
+    warpers = sampling_warpers(True, 1.2, None, 0.95)
     prompt = torch.tensor([[5, 17, 33, 9]])
     pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))  # (4096, 2): x1-major
     inputs = torch.cat([prompt.expand(len(pairs), -1), pairs], dim=1)  # (4096, 6)
@@ -575,7 +576,8 @@ def test_greedy_speculation_on_trained_letters_models(letters, draft_lambda):
 
 
 def test_merged_draft_is_task_arithmetic(base_model, expert_models):
-    """θ_b + Σ_i λ_i (θ_i − θ_b), equal to `mergecompose.merging.merge("task_arithmetic", weights=λ, lam=1)`; the base untouched."""
+    """The merged draft is `mergecompose.merging.merge("task_arithmetic", weights=λ, lam=1)`'s
+    θ_b + Σ_i λ_i (θ_i − θ_b), exactly (the draft calls it tensor by tensor); the base untouched."""
     before = {name: tensor.clone() for name, tensor in base_model.state_dict().items()}
     lm = ComposedLM(base_model, expert_models, weights=[0.7, 1.3])
     draft = lm.merged_draft()
@@ -604,7 +606,8 @@ def test_merged_draft_is_task_arithmetic(base_model, expert_models):
 
 @pytest.mark.parametrize("implementation", ["stacked", "peft"])
 def test_merged_lora_draft_is_task_arithmetic(implementation, tiny_config, lora_dirs):
-    """W + Σ_i λ_i ΔW_i with peft's deltas, equal to `mergecompose.merging.merge` of `TaskVector.from_lora`; shared tensors stay shared."""
+    """W + Σ_i λ_i ΔW_i with peft's deltas, equal to `mergecompose.merging.merge` of `TaskVector.from_lora`; shared
+    tensors stay shared."""
     base = random_llama(tiny_config, seed=0)
     reference = random_llama(tiny_config, seed=0)
     lm = ComposedLM.from_adapters(

@@ -1,0 +1,63 @@
+"""The backend of full expert checkpoints: k+1 models, run one after another, each with its own KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from mergecompose.composition.architecture import cache_kwarg
+from mergecompose.composition.backend import Caches
+from mergecompose.composition.drafts import merged_full_draft
+
+
+class SeparateModels:
+    """k+1 full models, base first, used as given (a draft model is one of them alone)."""
+
+    def __init__(self, models: Sequence[PreTrainedModel]) -> None:
+        self.models = list(models)
+        self.cache_kwargs = [cache_kwarg(model) for model in self.models]
+
+    @property
+    def device(self) -> torch.device:
+        return self.models[0].device
+
+    @property
+    def base_model(self) -> PreTrainedModel:
+        return self.models[0]
+
+    @property
+    def shares_one_base(self) -> bool:
+        return False
+
+    def new_cache(self) -> Caches:
+        return [DynamicCache(config=model.config) for model in self.models]
+
+    def close(self) -> None:
+        """Nothing to undo: the models are used as given."""
+
+    def merged_draft(self, lambdas: Sequence[float]) -> PreTrainedModel:
+        return merged_full_draft(self.models[0], self.models[1:], lambdas)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Caches | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """Return logits (k+1, B, T', V) for every component, base first."""
+        outputs = []
+        for index, model in enumerate(self.models):
+            kwargs = {} if cache is None else {self.cache_kwargs[index]: cache[index], "use_cache": True}
+            logits = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            ).logits  # (B, T', V)
+            outputs.append(logits)
+        return torch.stack(outputs)  # (k+1, B, T', V)
