@@ -7,9 +7,10 @@ mergecompose.experiments.tokenizer        the character-level transformers token
 mergecompose.experiments.formats          aligned / seq2seq model inputs, position coupling, random positions
 mergecompose.experiments.models           small Llama / GPT-2 models and their LoRA config
 mergecompose.experiments.components       base and experts, trained or loaded from the run folder's cache
-mergecompose.experiments.evaluate         systems, exact match with Wilson intervals, greedy decoding
-mergecompose.experiments.merge_selection  the merge-grid search on validation data
-mergecompose.experiments.remedies         remedy sets of a compare config
+mergecompose.experiments.systems          what a compare scores (`System`: a name, how to load it) and their names
+mergecompose.experiments.evaluate         exact match with Wilson intervals, greedy decoding
+mergecompose.experiments.merge_selection  the merge-grid search, shared by every compare and sweep
+mergecompose.experiments.run_folder       a run's results folder: claimed, locked, stages timed, written atomically
 mergecompose.experiments.compare          the whole comparison (`run_compare`)
 mergecompose.experiments.report           results.md, terminal tables, length.png
 mergecompose.experiments.letters/         the letter-replacement task type

@@ -19,37 +19,35 @@ the training data, the evaluation data and any extra results sections.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 from mergecompose.composition import ComposedLM
 from mergecompose.core.io import atomic_write_text
 from mergecompose.experiments.components import Components, prepare_components
 from mergecompose.experiments.config import CompareConfig, fingerprint
-from mergecompose.experiments.evaluate import (
-    JOINT,
-    ComposedSystem,
-    EvalData,
-    ModelSystem,
-    greedy_agreement,
-    mean_exact_match,
-    score,
-    summary,
-)
+from mergecompose.experiments.evaluate import JOINT, EvalData, greedy_agreement, mean_exact_match, score, summary
 from mergecompose.experiments.merge_selection import best_per_method, merged_model, search_merges
 from mergecompose.experiments.registry import compare_kind_of
-from mergecompose.experiments.remedies import remedy_system_name
-from mergecompose.experiments.report import format_tables, plot_lengths, write_markdown
-from mergecompose.experiments.run_folder import claim_run_dir
+from mergecompose.experiments.report import format_tables, plot_lengths, results_markdown
+from mergecompose.experiments.run_folder import FolderLayout, RunFolder, Stopwatch
+from mergecompose.experiments.systems import (
+    BASE,
+    ComposedModel,
+    SingleModel,
+    System,
+    expert_name,
+    merge_name,
+    remedy_name,
+)
 
 # `type: lm_eval` compares (checkpoints scored by lm-evaluation-harness) register their compare
 # kind on import; they need the optional `lm-eval` extra.
@@ -58,10 +56,13 @@ if importlib.util.find_spec("lm_eval") is not None:
 
 BAR = 0.99  # the issue's bar for components and for the composition
 
+COMPARE_FOLDER = FolderLayout("a compare run folder")
+
 
 @dataclass
 class RunContext:
-    """What a results section gets: the config, the trained components, the data and the loaded systems."""
+    """What a results section gets: the config, the trained components, the data, and each system's loaded model
+    (`mergecompose.experiments.systems.SingleModel` or `ComposedModel`) by system name."""
 
     config: CompareConfig
     components: Components
@@ -88,13 +89,13 @@ def run_compare(
 
     `out_dir` keeps its `checkpoints/` between runs (reused by hash). A folder that holds the
     results of another config, or that is not a compare folder, is refused unless `overwrite`; so is
-    one that another run is writing (`mergecompose.experiments.run_folder.claim_run_dir`), at once.
+    one that another run is writing (`mergecompose.experiments.run_folder.RunFolder.claim`), at once.
     `threads`: torch's intra-op threads during the run (restored after); the models are so
     small that one thread is fastest, and several are much slower on a loaded machine.
     Returns the results dict (the content of results.json).
 
-    A config of another compare kind (`mergecompose.experiments.registry.COMPARE_KINDS`, e.g. `type: lm_eval`) is
-    run by that kind's own function, under the same `threads`; `sections` apply to `CompareConfig` only.
+    A config of another compare kind (`mergecompose.experiments.registry.COMPARE_KINDS`, e.g. `type: lm_eval`)
+    is run by that kind's own function, under the same `threads`; `sections` apply to `CompareConfig` only.
     """
     kind = compare_kind_of(config)
     previous_threads = torch.get_num_threads()
@@ -115,18 +116,17 @@ class Setting:
     context: RunContext
     evaluated: dict
     merges: dict
-    timings: dict[str, float]
 
 
 def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
     config_hash = fingerprint(config)
-    with claim_run_dir(out_dir, config_hash, overwrite, "a compare run folder", cached=("checkpoints",)):
-        return _run_locked(config, config_hash, out_dir, progress, sections, echo)
+    run = RunFolder(out_dir, COMPARE_FOLDER)
+    with run.claim(config_hash, overwrite):
+        return _run_claimed(config, config_hash, run, progress, sections, echo)
 
 
-def _run_locked(config, config_hash: str, out_dir: Path, progress, sections, echo) -> dict:
-    started = time.perf_counter()
-    main = _run_setting(config, out_dir, progress)
+def _run_claimed(config, config_hash: str, run: RunFolder, progress, sections, echo) -> dict:
+    main = _run_setting(config, run.path, progress, run.clock)
     components, data = main.context.components, main.context.data
     results = {
         "config": config.model_dump(mode="json"),
@@ -150,64 +150,54 @@ def _run_locked(config, config_hash: str, out_dir: Path, progress, sections, ech
     }
     for name, section in {**config.task.sections(), **(sections or {})}.items():
         results[name] = section(main.context)
-    timings = dict(main.timings)
     if config.variants:
         results["variants"] = {}
         for variant, variant_config in config.variant_configs().items():
-            stage = time.perf_counter()
-            setting = _run_setting(variant_config, out_dir, progress)
-            results["systems"].update({f"{variant}/{name}": record for name, record in setting.evaluated.items()})
-            results["variants"][variant] = {
-                "config": variant_config.model_dump(mode="json"),
-                "merges": setting.merges,
-                "skipped": _skipped(variant_config),
-                "training": setting.context.components.training,
-            }
-            timings[f"variant:{variant}"] = round(time.perf_counter() - stage, 2)
+            with run.stage(f"variant:{variant}"):  # a variant's own stages are not recorded
+                setting = _run_setting(variant_config, run.path, progress, Stopwatch())
+                systems = {f"{variant}/{name}": record for name, record in setting.evaluated.items()}
+                results["systems"].update(systems)
+                results["variants"][variant] = {
+                    "config": variant_config.model_dump(mode="json"),
+                    "merges": setting.merges,
+                    "skipped": _skipped(variant_config),
+                    "training": setting.context.components.training,
+                }
         results["contrast"] = contrast(results)
-    timings["total"] = round(time.perf_counter() - started, 2)
-    results["timings"] = timings
+    results["timings"] = {**run.timings, "total": run.elapsed()}
 
-    atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1))
-    write_markdown(results, out_dir / "results.md", config.task.title())
-    plot_lengths(results, out_dir / "length.png")
-    plots = ["length.png", *config.task.plots(results, out_dir)]
+    run.write_config(config)
+    run.write_json("results.json", results)
+    run.write_text("results.md", results_markdown(results, config.task.title()))
+    run.write_figure("length.png", lambda path: plot_lengths(results, path))
+    plots = ["length.png", *config.task.plots(results, run.path)]
     if echo is not None:
         echo(format_tables(results))
         echo(
-            f"\nresults: {out_dir / 'results.json'}, {out_dir / 'results.md'}, "
-            + ", ".join(str(out_dir / name) for name in plots)
+            f"\nresults: {run.file('results.json')}, {run.file('results.md')}, "
+            + ", ".join(str(run.file(name)) for name in plots)
         )
     return results
 
 
-def _run_setting(config: CompareConfig, out_dir: Path, progress: bool) -> Setting:
+def _run_setting(config: CompareConfig, out_dir: Path, progress: bool, clock: Stopwatch) -> Setting:
     """Train or load the components, build every system, choose the merges, evaluate everything."""
-    started = time.perf_counter()
-    timings: dict[str, float] = {}
-    components = prepare_components(config, out_dir, progress)
-    timings["train_or_load"] = round(time.perf_counter() - started, 2)
-
-    stage = time.perf_counter()
-    data = config.task.eval_data(config.evaluation, config.eval_length, config.task.train_lengths[1])
-    timings["data"] = round(time.perf_counter() - stage, 2)
-
-    stage = time.perf_counter()
-    systems, curve_of = _single_systems(config, components)
-    systems.update(_compositions(config, components))
-    for name in [n for n in systems if n.startswith("compose")]:
-        curve_of[name] = JOINT
-    merges = _select_merges(config, components, data, out_dir / "checkpoints", progress)
-    for method, record in merges.items():
-        systems[f"merge:{method}"] = ModelSystem(f"merge:{method}", record.pop("model"))
-        curve_of[f"merge:{method}"] = JOINT
-    timings["systems_and_merge_selection"] = round(time.perf_counter() - stage, 2)
-
-    stage = time.perf_counter()
-    evaluated = _evaluate(config, components, data, systems, curve_of, progress)
-    timings["evaluation"] = round(time.perf_counter() - stage, 2)
-    return Setting(RunContext(config, components, data, systems, curve_of), evaluated, merges, timings)
+    with clock.stage("train_or_load"):
+        components = prepare_components(config, out_dir, progress)
+    with clock.stage("data"):
+        data = config.task.eval_data(config.evaluation, config.eval_length, config.task.train_lengths[1])
+    with clock.stage("systems_and_merge_selection"):
+        systems, curve_of = _single_systems(config, components)
+        systems.update(_compositions(config, components))
+        models = {name: system.load() for name, system in systems.items()}
+        merges = _select_merges(config, components, data, out_dir / "checkpoints", progress)
+        for method, record in merges.items():
+            models[merge_name(method)] = record.pop("system").load()
+        for name in models:
+            curve_of.setdefault(name, JOINT)  # compositions and merges: the joint task
+    with clock.stage("evaluation"):
+        evaluated = _evaluate(config, components, data, models, curve_of, progress)
+    return Setting(RunContext(config, components, data, models, curve_of), evaluated, merges)
 
 
 def contrast(results: dict) -> dict:
@@ -242,30 +232,43 @@ def contrast(results: dict) -> dict:
 # ---------------------------------------------------------------------------------- systems
 
 
-def _single_systems(config: CompareConfig, components: Components) -> tuple[dict, dict[str, str]]:
-    systems = {"base": ModelSystem("base", components.load_base())}
-    curve_of = {"base": "copy"}
+def _single_systems(config: CompareConfig, components: Components) -> tuple[dict[str, System], dict[str, str]]:
+    """The base (scored on copying) and each expert, full and LoRA (each scored on its skill)."""
+    systems = {BASE: System(BASE, lambda: SingleModel(components.load_base()))}
+    curve_of = {BASE: "copy"}
     for name in config.task.trained_skills():
-        systems[f"expert:{name}"] = ModelSystem(f"expert:{name}", components.load_expert(name))
-        curve_of[f"expert:{name}"] = f"skill:{name}"
+        systems[expert_name(name)] = System(
+            expert_name(name), lambda name=name: SingleModel(components.load_expert(name))
+        )
+        curve_of[expert_name(name)] = f"skill:{name}"
         if name in components.adapters:
-            systems[f"expert:{name}:lora"] = ModelSystem(f"expert:{name}:lora", components.load_adapter(name))
-            curve_of[f"expert:{name}:lora"] = f"skill:{name}"
+            systems[expert_name(name, lora=True)] = System(
+                expert_name(name, lora=True), lambda name=name: SingleModel(components.load_adapter(name))
+            )
+            curve_of[expert_name(name, lora=True)] = f"skill:{name}"
     return systems, curve_of
 
 
-def _compositions(config: CompareConfig, components: Components) -> dict:
+def _compositions(config: CompareConfig, components: Components) -> dict[str, System]:
+    """`compose` and each remedy set on one copy of the base and the joint experts; `compose:lora` on its own."""
     joint = config.task.joint
-    base, experts = components.load_base(), [components.load_expert(name) for name in joint]
-    systems = {"compose": ComposedSystem("compose", ComposedLM(base, experts))}
+
+    @functools.cache
+    def shared() -> tuple:  # loaded once, for every composition of the full experts
+        return components.load_base(), [components.load_expert(name) for name in joint]
+
+    def composed(remedies=()) -> ComposedModel:
+        base, experts = shared()
+        return ComposedModel(ComposedLM(base, experts, remedies=remedies))
+
+    systems = {"compose": System("compose", composed)}
     eos = components.tokenizer.eos_token_id
     for name, remedy in config.remedies.items():  # the same models under each remedy set
-        composed = ComposedLM(base, experts, remedies=remedy.build(eos))
-        systems[remedy_system_name(name)] = ComposedSystem(remedy_system_name(name), composed)
+        systems[remedy_name(name)] = System(remedy_name(name), lambda remedy=remedy: composed(remedy.build(eos)))
     if all(name in components.adapters for name in joint):
         adapters = {name: str(components.adapters[name]) for name in joint}
-        systems["compose:lora"] = ComposedSystem(
-            "compose:lora", ComposedLM.from_adapters(components.load_base(), adapters)
+        systems["compose:lora"] = System(
+            "compose:lora", lambda: ComposedModel(ComposedLM.from_adapters(components.load_base(), adapters))
         )
     return systems
 
@@ -277,19 +280,25 @@ def _select_merges(
 
     The sweep is cached beside the checkpoints, keyed by the checkpoints' hashes, the task, the
     evaluation settings (which fix the validation strings), the grid and the seed; a cached run
-    builds only the chosen merges.
+    builds only the chosen merges. Each record holds the chosen merge's `System` under "system".
     """
     if not config.merges:
         return {}
     base = components.load_base()
     experts = [components.load_expert(name) for name in config.task.joint]
+    seed = config.seed_merges
+
+    def merge_system(method: str, params: dict, name: str | None = None) -> System:
+        name = merge_name(method, params) if name is None else name
+        return System(name, lambda: SingleModel(merged_model(base, experts, method, params, seed)))
+
     key = fingerprint(
         {
             "checkpoints": {name: record["fingerprint"] for name, record in components.training.items()},
             "task": config.task.model_dump(mode="json"),
             "evaluation": config.evaluation.model_dump(mode="json"),
             "merges": {method: grid.model_dump(mode="json") for method, grid in config.merges.items()},
-            "seed": config.seed_merges,
+            "seed": seed,
         }
     )
     cache = cache_dir / f"merge-selection-{key}.json"
@@ -300,11 +309,11 @@ def _select_merges(
         validation = list(data.validation.values())
         fmt, tokenizer, batch_size = components.format, components.tokenizer, config.evaluation.batch_size
 
-        def validation_exact_match(method, model) -> float:
-            return mean_exact_match(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
+        def validation_exact_match(system: System) -> float:
+            return mean_exact_match(system.load(), validation, fmt, tokenizer, batch_size)
 
         grids = {method: grid.candidates() for method, grid in config.merges.items()}
-        records = search_merges(base, experts, grids, validation_exact_match, config.seed_merges, progress)
+        records = search_merges(grids, merge_system, validation_exact_match, progress)
         best = best_per_method(records)
         selection = {
             method: {
@@ -318,11 +327,7 @@ def _select_merges(
         }
         atomic_write_text(cache, json.dumps(selection, indent=1))
     return {
-        method: {
-            **record,
-            "cached": cached,
-            "model": merged_model(base, experts, method, record["chosen"], config.seed_merges),
-        }
+        method: {**record, "cached": cached, "system": merge_system(method, record["chosen"], merge_name(method))}
         for method, record in selection.items()
     }
 
@@ -332,7 +337,7 @@ def _skipped(config: CompareConfig) -> dict[str, str]:
     if config.training.experts.init == "scratch":
         reason = "experts trained from scratch have no task vectors relative to the base"
         for method in CompareConfig.model_fields["merges"].default_factory():
-            skipped[f"merge:{method}"] = reason
+            skipped[merge_name(method)] = reason
         skipped["compose:lora"] = "LoRA adapters need experts fine-tuned from the base"
     elif config.training.experts.lora is None:
         skipped["compose:lora"] = "no LoRA recipe in the config (`training.experts.lora`)"
@@ -343,22 +348,23 @@ def _skipped(config: CompareConfig) -> dict[str, str]:
 
 
 def _evaluate(
-    config: CompareConfig, components: Components, data: EvalData, systems: dict, curve_of: dict, progress: bool
+    config: CompareConfig, components: Components, data: EvalData, models: dict, curve_of: dict, progress: bool
 ) -> dict:
+    """Each system's record: every test split, its own curve by length, the greedy check, its seconds."""
     fmt, tokenizer, batch_size = components.format, components.tokenizer, config.evaluation.batch_size
     check = config.evaluation.greedy_check if config.task.formulation == "seq2seq" else 0
     # Real greedy decoding on the first `check` strings of `joint` and of the longest length split.
     longest = max(data.test.values(), key=lambda eval_set: eval_set.length)
     checked = {JOINT, longest.name}
     results = {}
-    for name, system in tqdm(systems.items(), desc="evaluate", disable=not progress, leave=False):
-        started = time.perf_counter()
+    for name, model in tqdm(models.items(), desc="evaluate", disable=not progress, leave=False):
+        watch = Stopwatch()
         splits, agreement = {}, []
         for split, eval_set in data.test.items():
-            scored = score(system, eval_set, fmt, tokenizer, batch_size)
+            scored = score(model, eval_set, fmt, tokenizer, batch_size)
             splits[split] = summary(scored)
             if check and split in checked:
-                agreement.append(greedy_agreement(system, eval_set.head(check), fmt, tokenizer, batch_size, scored))
+                agreement.append(greedy_agreement(model, eval_set.head(check), fmt, tokenizer, batch_size, scored))
         by_length, by_length_ci, by_length_n, by_length_first_error = {}, {}, {}, {}
         for length, eval_set in data.curves[curve_of[name]].items():
             # The joint curve shares its sets with the test splits (`joint`, `length_L`).
@@ -366,7 +372,7 @@ def _evaluate(
             cell = (
                 splits[eval_set.name]
                 if shared is eval_set
-                else summary(score(system, eval_set, fmt, tokenizer, batch_size))
+                else summary(score(model, eval_set, fmt, tokenizer, batch_size))
             )
             by_length[str(length)] = cell["exact_match"]
             by_length_ci[str(length)] = cell["ci95"]
@@ -380,7 +386,7 @@ def _evaluate(
             "by_length_n": by_length_n,
             "by_length_first_error": by_length_first_error,
             "greedy_check": agreement,
-            "seconds": round(time.perf_counter() - started, 2),
+            "seconds": watch.elapsed(),
         }
     return results
 

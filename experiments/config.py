@@ -80,7 +80,8 @@ class TrainingSettings(OptimizerSettings):
         if streaming == fixed or (fixed and (self.epochs is None or self.num_examples is None)):
             raise ValueError(
                 "give either `steps` (fresh random strings every step) or both `epochs` and `num_examples` "
-                f"(a fixed training set), got steps={self.steps}, epochs={self.epochs}, num_examples={self.num_examples}"
+                f"(a fixed training set), got steps={self.steps}, epochs={self.epochs}, "
+                f"num_examples={self.num_examples}"
             )
         return self
 
@@ -215,7 +216,7 @@ class CompareConfig(_Strict):
     evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
     merges: dict[str, MergeGrid] = Field(default_factory=_default_merges)
     seed_merges: int = Field(0, ge=0)  # DARE's random drop seed
-    # Named remedy sets (`mergecompose.experiments.remedies`), each evaluated as one more system `compose+<name>`.
+    # Named remedy sets, each evaluated as one more system `compose+<name>` (`mergecompose.experiments.systems`).
     # Left out of dumps when empty, so configs without remedies keep their hashes.
     remedies: dict[str, RemedySettings] = Field(default_factory=dict, exclude_if=lambda value: not value)
     # Other settings of the same comparison, each evaluated beside this one: variant name ->

@@ -1,4 +1,4 @@
-"""Held-out data, the systems under test, and exact match with 95 % confidence intervals.
+"""Held-out data, and exact match of a loaded system with 95 % confidence intervals.
 
 **Exact match** is that of the greedy output up to EOS. It is computed in one teacher-forced
 pass: greedy decoding reproduces the target `y_1 … y_L <eos>` exactly iff, at every target
@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from scipy.stats import binomtest
-from transformers import PreTrainedModel
 
-from mergecompose.composition import ComposedLM
-from mergecompose.experiments.formats import IGNORE_INDEX, Batch, Prompt, SequenceFormat
+from mergecompose.experiments.formats import IGNORE_INDEX, SequenceFormat
+from mergecompose.experiments.systems import ScoredModel
 from mergecompose.experiments.tokenizer import decode_ids, encode_strings
 
 # The split every task type must have: inputs that need every composed skill, scored on the joint target.
@@ -58,69 +57,6 @@ class EvalData:
     curves: dict[str, dict[int, EvalSet]]
 
 
-# ---------------------------------------------------------------------------------- systems
-
-
-class ModelSystem:
-    """One causal LM (a base, a full expert, a peft LoRA expert or a merged model)."""
-
-    def __init__(self, name: str, model: PreTrainedModel):
-        self.name = name
-        self.model = model.eval()
-
-    @torch.no_grad()
-    def logprobs(self, batch: Batch) -> torch.Tensor:
-        logits = self.model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-        ).logits  # (B, T, V)
-        return torch.log_softmax(logits.float(), dim=-1)
-
-    @torch.no_grad()
-    def generate(self, prompt: Prompt, max_new_tokens: int, eos_id: int, pad_id: int) -> torch.Tensor:
-        """Greedy tokens `(B, ≤ max_new_tokens)` after the prompt (transformers' `generate`).
-
-        transformers continues the prompt's `position_ids` by one per generated token, which
-        is `prompt.generated_position_ids` (checked here)."""
-        expected = prompt.position_ids[:, -1:] + 1 + torch.arange(max_new_tokens)
-        if not torch.equal(prompt.generated_position_ids[:, :max_new_tokens], expected):
-            raise ValueError("these prompts need explicit generated positions; transformers' generate continues by one")
-        output = self.model.generate(
-            input_ids=prompt.input_ids,
-            attention_mask=prompt.attention_mask,
-            position_ids=prompt.position_ids,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-        )
-        return output[:, prompt.input_ids.shape[1] :]
-
-
-class ComposedSystem:
-    """A `ComposedLM`: log p̂ = log p_b + Σ_i (log p_i − log p_b), renormalised, per position."""
-
-    def __init__(self, name: str, composed: ComposedLM):
-        self.name = name
-        self.composed = composed
-
-    @torch.no_grad()
-    def logprobs(self, batch: Batch) -> torch.Tensor:
-        return self.composed.logprobs(batch.input_ids, batch.attention_mask, batch.position_ids)  # (B, T, V)
-
-    @torch.no_grad()
-    def generate(self, prompt: Prompt, max_new_tokens: int, eos_id: int, pad_id: int) -> torch.Tensor:
-        output = self.composed.generate(
-            prompt.input_ids,
-            prompt.attention_mask,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            position_ids=prompt.position_ids,
-            generated_position_ids=prompt.generated_position_ids[:, :max_new_tokens],
-        )
-        return output[:, prompt.input_ids.shape[1] :]
-
-
 # ---------------------------------------------------------------------------------- scoring
 
 
@@ -151,37 +87,37 @@ def teacher_forced_verdicts(logprobs: torch.Tensor, labels: torch.Tensor) -> tup
     return correct, first_error
 
 
-def score(system, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, batch_size: int) -> Scored:
-    """Teacher-forced exact match of `system` on every example of `eval_set`."""
+def score(model: ScoredModel, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, batch_size: int) -> Scored:
+    """Teacher-forced exact match of `model` on every example of `eval_set`."""
     sources = encode_strings(tokenizer, eval_set.sources)
     targets = encode_strings(tokenizer, eval_set.targets)
     correct, first_error = [], []
     for start in range(0, len(sources), batch_size):
         batch = fmt.batch(sources[start : start + batch_size], targets[start : start + batch_size])
-        verdicts = teacher_forced_verdicts(system.logprobs(batch), batch.labels)
+        verdicts = teacher_forced_verdicts(model.logprobs(batch), batch.labels)
         correct.append(verdicts[0].numpy())
         first_error.append(verdicts[1].numpy())
     return Scored(np.concatenate(correct), np.concatenate(first_error))
 
 
 def greedy_tokens(
-    system, sources: list[list[int]], fmt: SequenceFormat, tokenizer, max_new_tokens: int, batch_size: int
+    model: ScoredModel, sources: list[list[int]], fmt: SequenceFormat, tokenizer, max_new_tokens: int, batch_size: int
 ) -> torch.Tensor:
-    """Greedy output tokens `(n, max_new_tokens)` of `system` (KV-cached `generate`), padded after its EOS or stop."""
+    """Greedy output tokens `(n, max_new_tokens)` of `model` (KV-cached `generate`), padded after its EOS or stop."""
     rows = [torch.empty((0, max_new_tokens), dtype=torch.long)]
     for start in range(0, len(sources), batch_size):
         prompt = fmt.prompt(sources[start : start + batch_size], max_new_tokens)
-        generated = system.generate(prompt, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        generated = model.generate(prompt, max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id)
         padded = torch.full((generated.shape[0], max_new_tokens), tokenizer.pad_token_id, dtype=torch.long)
         padded[:, : generated.shape[1]] = generated
         rows.append(padded)
     return torch.cat(rows)
 
 
-def greedy_outputs(system, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, batch_size: int) -> list[str]:
+def greedy_outputs(model: ScoredModel, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, batch_size: int) -> list[str]:
     """Greedy decoding for real (seq2seq): each output up to its first `<eos>` (at most L + 2 tokens)."""
     sources = encode_strings(tokenizer, eval_set.sources)
-    generated = greedy_tokens(system, sources, fmt, tokenizer, eval_set.length + 2, batch_size)
+    generated = greedy_tokens(model, sources, fmt, tokenizer, eval_set.length + 2, batch_size)
     outputs = []
     for row in generated.tolist():
         text = decode_ids(tokenizer, row)
@@ -190,10 +126,10 @@ def greedy_outputs(system, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, ba
 
 
 def greedy_agreement(
-    system, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, batch_size: int, scored: Scored
+    model: ScoredModel, eval_set: EvalSet, fmt: SequenceFormat, tokenizer, batch_size: int, scored: Scored
 ) -> dict:
     """How many of `eval_set`'s examples get the same verdict from real greedy decoding and from `scored`."""
-    outputs = greedy_outputs(system, eval_set, fmt, tokenizer, batch_size)
+    outputs = greedy_outputs(model, eval_set, fmt, tokenizer, batch_size)
     greedy_correct = np.array([output == target for output, target in zip(outputs, eval_set.targets)])
     agree = int((greedy_correct == scored.correct[: len(outputs)]).sum())
     return {
@@ -226,6 +162,8 @@ def wilson_interval(successes: int, trials: int, confidence: float = 0.95) -> tu
     return float(interval.low), float(interval.high)
 
 
-def mean_exact_match(system, sets: Sequence[EvalSet], fmt: SequenceFormat, tokenizer, batch_size: int) -> float:
+def mean_exact_match(
+    model: ScoredModel, sets: Sequence[EvalSet], fmt: SequenceFormat, tokenizer, batch_size: int
+) -> float:
     """The unweighted mean of exact match over `sets` (merge selection on validation)."""
-    return float(np.mean([score(system, eval_set, fmt, tokenizer, batch_size).correct.mean() for eval_set in sets]))
+    return float(np.mean([score(model, eval_set, fmt, tokenizer, batch_size).correct.mean() for eval_set in sets]))

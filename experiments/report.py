@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergecompose.core.io import atomic_save_figure, atomic_write_text, markdown_table
+from mergecompose.core.io import atomic_save_figure, markdown_table
 
 
 def _percent(value: float) -> str:
@@ -99,7 +99,7 @@ def format_tables(results: dict) -> str:
     )
 
 
-def write_markdown(results: dict, path: Path, task_title: str) -> None:
+def results_markdown(results: dict, task_title: str) -> str:
     """results.md; `task_title` says what the task is (the task type's `title()`)."""
     config = results["config"]
     parts = [
@@ -167,7 +167,7 @@ def write_markdown(results: dict, path: Path, task_title: str) -> None:
     ]
     parts += [markdown_table(["component", "steps", "final loss", "seconds", "cached"], rows), ""]
     parts += ["## Timings (seconds)", "", ", ".join(f"{k}: {v}" for k, v in results["timings"].items()), ""]
-    atomic_write_text(path, "\n".join(parts))
+    return "\n".join(parts)
 
 
 def plot_lengths(results: dict, path: Path) -> None:

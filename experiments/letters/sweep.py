@@ -1,8 +1,8 @@
 """The claim the toolkit exists to test: does output-space overlap predict when composition fails?
 
 A sweep over pairs of letter-replacement experts whose rules overlap from not at all (`ab` + `cd`)
-to fully (`ab` + `ac`). The base and every expert are trained once by `tasks` (cached by hash
-under `DIR/checkpoints`); for each pair:
+to fully (`ab` + `ac`). The base and every expert are trained once, as `mergecompose compare` trains
+them (`mergecompose.experiments.components`, cached by hash under `DIR/checkpoints`); for each pair:
 
 * the diagnostics (`mergecompose.experiments.letters.overlap.measure_letter_pair`), teacher-forced on held-out strings
   where both skills are active, with the median centre and the base-weighted median centre;
@@ -20,19 +20,16 @@ gap `KL(q ‖ m)` at λ = 1: the deviation from `z(θ_b+τ_a+τ_b) = z_b + Δz_a
 
 from __future__ import annotations
 
-import json
+import functools
 import os
-import time
-from pathlib import Path
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from tqdm.auto import tqdm
 
-from mergecompose.analysis.report import format_number, json_safe
+from mergecompose.analysis.report import format_number
 from mergecompose.analysis.streaming import OverlapSettings
 from mergecompose.composition import ComposedLM
-from mergecompose.core.io import atomic_write_text, markdown_table, read_yaml_mapping
+from mergecompose.core.io import markdown_table, read_yaml_mapping
 from mergecompose.experiments.components import prepare_components
 from mergecompose.experiments.config import (
     CompareConfig,
@@ -41,11 +38,20 @@ from mergecompose.experiments.config import (
     deep_merge,
     fingerprint,
 )
-from mergecompose.experiments.evaluate import ComposedSystem, EvalSet, ModelSystem, greedy_outputs
+from mergecompose.experiments.evaluate import EvalSet, greedy_outputs
 from mergecompose.experiments.letters.overlap import measure_letter_pair, pair_replacements, pair_strings
 from mergecompose.experiments.letters.sweep_stats import plot_overlap_against_error, spearman, two_by_two
-from mergecompose.experiments.merge_selection import merged_model, search_merges
-from mergecompose.experiments.run_folder import hold_run_folder
+from mergecompose.experiments.merge_selection import best_record, merged_model, search_merges
+from mergecompose.experiments.run_folder import FolderLayout, RunFolder
+from mergecompose.experiments.systems import ComposedModel, ScoredModel, SingleModel, System, merge_name
+
+# Any folder is accepted (a sweep folder holds what its user puts there); sweep.json records the config.
+SWEEP_FOLDER = FolderLayout(
+    "an overlap-sweep folder",
+    results="sweep.json",
+    own_entries_only=False,
+    other_config="{folder} holds a sweep of another config (hash {previous}); pass overwrite=True",
+)
 
 
 def _default_merges() -> dict[str, MergeGrid]:
@@ -93,14 +99,15 @@ class SweepConfig(BaseModel):
             for name in (a, b):
                 if name not in self.skills:
                     raise ValueError(
-                        f"pair ({a!r}, {b!r}) names skill {name!r}, which `skills` does not define; skills: {sorted(self.skills)}"
+                        f"pair ({a!r}, {b!r}) names skill {name!r}, which `skills` does not define; "
+                        f"skills: {sorted(self.skills)}"
                     )
             if a == b:
                 raise ValueError(f"pair ({a!r}, {b!r}) repeats one skill; give two skills (they may share a map)")
         return self
 
     def compare_config(self):
-        """The `tasks` config that trains the base and every skill (validated by `mergecompose.experiments.config`)."""
+        """The compare config that trains the base and every skill (validated by `mergecompose.experiments.config`)."""
         data = deep_merge(read_yaml_mapping(self.compare, "`compare` config"), self.compare_overrides)
         data["task"] = {**data.get("task", {}), "skills": self.skills, "joint": list(self._compatible_pair())}
         data["training"]["experts"] = {k: v for k, v in data["training"]["experts"].items() if k != "lora"}
@@ -108,7 +115,7 @@ class SweepConfig(BaseModel):
         return CompareConfig.model_validate(data)
 
     def _compatible_pair(self) -> tuple[str, str]:
-        # tasks' LetterTask needs a non-conflicting joint pair; it only shapes its own splits.
+        # The compare config's LetterTask needs a non-conflicting joint pair; it only shapes its own splits.
         for a, b in self.pairs:
             if not pair_replacements(self.skills[a], self.skills[b])[1]:
                 return a, b
@@ -146,10 +153,10 @@ def joint_accuracy(
     return correct / len(sources)
 
 
-def greedy_pair_outputs(system, sources, fmt, tokenizer, batch_size) -> list[str]:
-    """`system`'s greedy outputs on letter strings of one length (`mergecompose.experiments.evaluate.greedy_outputs`)."""
+def greedy_pair_outputs(model: ScoredModel, sources, fmt, tokenizer, batch_size) -> list[str]:
+    """`model`'s greedy outputs on letter strings of one length (`mergecompose.experiments.evaluate.greedy_outputs`)."""
     eval_set = EvalSet("pair", len(sources[0]), tuple(sources), tuple(sources))
-    return greedy_outputs(system, eval_set, fmt, tokenizer, batch_size)
+    return greedy_outputs(model, eval_set, fmt, tokenizer, batch_size)
 
 
 def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool = False, progress: bool = True) -> dict:
@@ -158,34 +165,29 @@ def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool =
     `out_dir/checkpoints` is kept between runs (reused by hash). Results of another config in
     `out_dir` are refused unless `overwrite`; a folder that another run is writing is refused at once.
     """
-    started = time.perf_counter()
-    out_dir = Path(out_dir)
+    run = RunFolder(out_dir, SWEEP_FOLDER)
     compare = config.compare_config()
     if compare.task.formulation != "seq2seq":
         raise ValueError(
             f"the sweep decodes greedily and needs the seq2seq formulation, got {compare.task.formulation!r}"
         )
     config_hash = fingerprint(config.model_dump(mode="json"), compare)
-    with hold_run_folder(out_dir):
-        results_path = out_dir / "sweep.json"
-        if results_path.is_file() and not overwrite:
-            previous = json.loads(results_path.read_text()).get("config_hash")
-            if previous != config_hash:
-                raise FileExistsError(
-                    f"{out_dir} holds a sweep of another config (hash {previous}); pass overwrite=True"
-                )
-        return _run_sweep_locked(config, compare, config_hash, out_dir, progress, started)
+    with run.claim(config_hash, overwrite):
+        return _run_sweep_claimed(config, compare, config_hash, run, progress)
 
 
-def _run_sweep_locked(
-    config: SweepConfig, compare: CompareConfig, config_hash: str, out_dir: Path, progress: bool, started: float
+def _run_sweep_claimed(
+    config: SweepConfig, compare: CompareConfig, config_hash: str, run: RunFolder, progress: bool
 ) -> dict:
-    components = prepare_components(compare, out_dir, progress)
+    components = prepare_components(compare, run.path, progress)
     task = compare.task.letter_task()
     fmt, tokenizer = components.format, components.tokenizer
     batch_size, length = compare.evaluation.batch_size, compare.eval_length
     base = components.load_base()
     experts = {name: components.load_expert(name) for name in sorted({n for pair in config.pairs for n in pair})}
+
+    def outputs(model: ScoredModel, sources: list[str]) -> list[str]:
+        return greedy_pair_outputs(model, sources, fmt, tokenizer, batch_size)
 
     rows, pairs = [], {}
     for index, (name_a, name_b) in enumerate(tqdm(config.pairs, desc="pairs", disable=not progress)):
@@ -210,30 +212,17 @@ def _run_sweep_locked(
             for centre in ("median", "base_weighted_median")
         }
         composed = ComposedLM(base, [experts[name_a], experts[name_b]], names=[name_a, name_b])
-        compose_outputs = greedy_pair_outputs(ComposedSystem("compose", composed), test, fmt, tokenizer, batch_size)
+        compose_outputs = outputs(ComposedModel(composed), test)
         compose_accuracy = joint_accuracy(compose_outputs, test, replace_a, replace_b)
         own = {
-            name: joint_accuracy(
-                greedy_pair_outputs(ModelSystem(name, experts[name]), test, fmt, tokenizer, batch_size),
-                test,
-                rule,
-                rule,
-            )
+            name: joint_accuracy(outputs(SingleModel(experts[name]), test), test, rule, rule)
             for name, rule in ((name_a, replace_a), (name_b, replace_b))
         }
 
-        def validation_accuracy(
-            method, model, validation=validation, replace_a=replace_a, replace_b=replace_b
-        ) -> float:
-            outputs = greedy_pair_outputs(ModelSystem(method, model), validation, fmt, tokenizer, batch_size)
-            return joint_accuracy(outputs, validation, replace_a, replace_b)
-
         pair_models = [experts[name_a], experts[name_b]]
-        grids = {method: grid.candidates() for method, grid in config.merges.items()}
-        candidates = search_merges(base, pair_models, grids, validation_accuracy, seed=0, progress=False)
-        best = max(candidates, key=lambda c: c["score"])  # first one on ties
+        best, candidates = _best_merge(base, pair_models, config, validation, (replace_a, replace_b), outputs)
         best_model = merged_model(base, pair_models, best["method"], best["params"], seed=0)
-        merge_outputs = greedy_pair_outputs(ModelSystem("merge", best_model), test, fmt, tokenizer, batch_size)
+        merge_outputs = outputs(SingleModel(best_model), test)
         merge_accuracy = joint_accuracy(merge_outputs, test, replace_a, replace_b)
 
         key = f"{name_a}+{name_b}"
@@ -264,10 +253,24 @@ def _run_sweep_locked(
         "pairs": pairs,
         "statistics": _statistics(rows, config.success_threshold),
         "training": components.training,
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": run.elapsed(digits=1),
     }
-    _write(out_dir, results, config)
+    _write(run, results, config)
     return results
+
+
+def _best_merge(base, models: list, config: SweepConfig, validation: list[str], rules: tuple, outputs) -> tuple:
+    """The best merge of the pair on `validation` (joint accuracy; the first on ties), and every candidate's record."""
+
+    def merge_system(method: str, params: dict) -> System:
+        return System(merge_name(method, params), lambda: SingleModel(merged_model(base, models, method, params, 0)))
+
+    def validation_accuracy(system: System) -> float:
+        return joint_accuracy(outputs(system.load(), validation), validation, *rules)
+
+    grids = {method: grid.candidates() for method, grid in config.merges.items()}
+    candidates = search_merges(grids, merge_system, validation_accuracy, progress=False)
+    return best_record(candidates), candidates
 
 
 def _row(key: str, name_a: str, name_b: str, record: dict) -> dict:
@@ -334,14 +337,11 @@ def _statistics(rows: list[dict], success_threshold: float) -> dict:
     }
 
 
-def _write(out_dir: Path, results: dict, config: SweepConfig) -> None:
-    files = {
-        "sweep.json": json.dumps(json_safe(results), indent=1, allow_nan=False),
-        "sweep.md": sweep_markdown(results),
-        "config.yaml": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False),
-    }
-    for name, text in files.items():
-        atomic_write_text(out_dir / name, text)
+def _write(run: RunFolder, results: dict, config: SweepConfig) -> None:
+    run.write_json("sweep.json", results, finite=True)
+    run.write_text("sweep.md", sweep_markdown(results))
+    run.write_config(config)
+    errors = {"composition": "compose_error", "best merge": "merge_error"}
     for x_key, file in (
         ("mass_overlap", "overlap_vs_error.png"),
         ("mass_overlap_weighted", "overlap_weighted_vs_error.png"),
@@ -350,12 +350,9 @@ def _write(out_dir: Path, results: dict, config: SweepConfig) -> None:
             kind: results["statistics"]["spearman"][f"{x_key} vs {kind}_error"]["rho"] for kind in ("compose", "merge")
         }
         shown = {kind: "undefined" if value is None else f"{value:.2f}" for kind, value in rho.items()}
-        plot_overlap_against_error(
-            results["rows"],
-            x_key,
-            {"composition": "compose_error", "best merge": "merge_error"},
-            out_dir / file,
-            f"{x_key} against joint-task error; Spearman ρ: composition {shown['compose']}, merge {shown['merge']}",
+        title = f"{x_key} against joint-task error; Spearman ρ: composition {shown['compose']}, merge {shown['merge']}"
+        run.write_figure(
+            file, functools.partial(plot_overlap_against_error, results["rows"], x_key, errors, title=title)
         )
 
 
@@ -398,9 +395,11 @@ def sweep_markdown(results: dict) -> str:
         table = results["statistics"][key]
         lines += [
             "",
-            f"## 2×2: overlap ({title}) × linearization error KL(q‖m), against success (accuracy ≥ {table['success_threshold']})",
+            f"## 2×2: overlap ({title}) × linearization error KL(q‖m), "
+            f"against success (accuracy ≥ {table['success_threshold']})",
             "",
-            f"Splits at the medians: overlap {format_number(table['overlap_split'])}, linearization {format_number(table['linearization_split'])}.",
+            f"Splits at the medians: overlap {format_number(table['overlap_split'])}, "
+            f"linearization {format_number(table['linearization_split'])}.",
             "",
         ]
         lines += markdown_table(

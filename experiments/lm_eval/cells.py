@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +28,9 @@ from lm_eval.utils import handle_non_serializable
 from mergecompose.core.io import atomic_write_text
 from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.evaluate import wilson_interval
-from mergecompose.experiments.lm_eval.systems import System, slug
+from mergecompose.experiments.lm_eval.systems import slug
+from mergecompose.experiments.run_folder import Stopwatch
+from mergecompose.experiments.systems import System
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class CellStore:
     def key(self, system: System, task: TaskRun) -> str:
         return fingerprint(
             {
-                "model": system.model,
+                "model": system.load.model,  # an lm-eval compare's systems load an `LmEvalModel`
                 "identity": system.identity,
                 "task": vars(task),
                 "settings": vars(self.settings),
@@ -97,12 +98,13 @@ class CellStore:
         return cell if cell.get("key") == self.key(system, task) else None
 
     def get(self, system: System, task: TaskRun, load_model) -> dict:
-        """The cell, from disk or evaluated now with the lm-eval model `load_model()` returns (called only then)."""
+        """The cell, from disk or evaluated now with the lm-eval model `load_model()` returns (called only then;
+        `system.load`, or a loader that keeps the model for the system's other cells)."""
         cell = self.cached(system, task)
         if cell is not None:
             self.reused.append((system.name, task.name))
             return cell
-        started = time.perf_counter()
+        watch = Stopwatch()
         results = lm_eval.simple_evaluate(
             model=load_model(),
             tasks=[self._task_spec(task)],
@@ -132,7 +134,7 @@ class CellStore:
             "n_samples": {leaf: results["n-samples"][leaf] for leaf in leaves if leaf in results["n-samples"]},
             "samples": samples,
             "versions": {leaf: results["versions"].get(leaf) for leaf in leaves},
-            "seconds": round(time.perf_counter() - started, 2),
+            "seconds": watch.elapsed(),
         }
         path = self.path(system, task)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,7 +160,8 @@ def leaf_tasks(results: dict, name: str) -> list[str]:
 
 
 def metric_records(results: dict, name: str) -> dict[str, dict]:
-    """`{"<task>/<metric>[,<filter>]": record}` for every metric lm-eval reports for `name` (see the module docstring)."""
+    """`{"<task>/<metric>[,<filter>]": record}` for every metric lm-eval reports for `name` (see the module
+    docstring)."""
     metrics = results.get("results", {}).get(name) or results.get("groups", {}).get(name) or {}
     leaves = leaf_tasks(results, name)
     samples = [sample for leaf in leaves for sample in results.get("samples", {}).get(leaf, [])]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mergecompose.core.io import atomic_save_figure, atomic_write_text, markdown_table
+from mergecompose.core.io import atomic_save_figure, markdown_table
+
+PAPER_DEFINITIONS = "the papers’ definitions, mergecompose.merging.merge"
 
 
 def _cell(record: dict | None) -> str:
@@ -37,7 +39,7 @@ def results_table(results: dict) -> str:
     return markdown_table(header, rows, pad=True)
 
 
-def write_markdown(results: dict, path: Path) -> None:
+def results_markdown(results: dict) -> str:
     config = results["config"]
     parts = [
         f"# {config['name']}: merging and composition on lm-eval tasks",
@@ -53,7 +55,7 @@ def write_markdown(results: dict, path: Path) -> None:
     if results["merges"]:
         definitions = results["config"].get("merge_definitions", "mergekit")
         parts += [
-            f"## Merges ({'mergekit' if definitions == 'mergekit' else 'the papers’ definitions, mergecompose.merging.merge'})",
+            f"## Merges ({'mergekit' if definitions == 'mergekit' else PAPER_DEFINITIONS})",
             "",
         ]
         rows = []
@@ -78,7 +80,7 @@ def write_markdown(results: dict, path: Path) -> None:
         ", ".join(f"{key}: {value}" for key, value in results["timings"].items()),
         "",
     ]
-    atomic_write_text(path, "\n".join(parts))
+    return "\n".join(parts)
 
 
 def plot_bars(results: dict, path: Path) -> None:

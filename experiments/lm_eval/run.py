@@ -3,7 +3,8 @@
     OUT/config.yaml        the resolved config (written first)
     OUT/lm_eval_tasks/     the tiny tasks of `letters_run`, if any
     OUT/cache/             merges and dense LoRA experts, by hash (`mergecompose.experiments.lm_eval.systems`)
-    OUT/cells/             one file per (system, task), written when it finishes (`mergecompose.experiments.lm_eval.cells`)
+    OUT/cells/             one file per (system, task), written when it finishes
+                           (`mergecompose.experiments.lm_eval.cells`)
     OUT/samples/           lm-eval's per-sample logs, one jsonl per system and leaf task
     OUT/results.json, results.md, bars.png
 
@@ -19,36 +20,34 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import shutil
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-import lm_eval.api.registry
+import lm_eval
 import torch
-import yaml
 from tqdm.auto import tqdm
 
-import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers lm-eval's `composed` model)
-from mergecompose.core.io import atomic_write_text
 from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.lm_eval.cells import CellStore, EvaluationSettings, TaskRun, folder_digest
 from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig, check_hub_sources
-from mergecompose.experiments.lm_eval.report import plot_bars, results_table, write_markdown
+from mergecompose.experiments.lm_eval.report import plot_bars, results_markdown, results_table
 from mergecompose.experiments.lm_eval.systems import (
-    System,
+    MergeBuild,
     build_merge,
     composition_systems,
     plan_merge,
     single_systems,
 )
+from mergecompose.experiments.merge_selection import best_record, search_merges
 from mergecompose.experiments.registry import register_compare_kind
-from mergecompose.experiments.run_folder import claim_run_dir
+from mergecompose.experiments.run_folder import FolderLayout, RunFolder
+from mergecompose.experiments.systems import System, merge_name
 
 # What a run folder may hold besides results.json before it counts as someone else's folder.
-_RUN_ENTRIES = {"config.yaml", "lm_eval_tasks", "cache", "cells", "samples", "results.md", "bars.png"}
+_RUN_ENTRIES = ("config.yaml", "lm_eval_tasks", "cache", "cells", "samples", "results.md", "bars.png")
+LM_EVAL_FOLDER = FolderLayout("an lm_eval compare folder", cached=_RUN_ENTRIES, leftovers=("cache", "cells"))
 
 
 def run_lm_eval_compare(
@@ -59,7 +58,8 @@ def run_lm_eval_compare(
     progress: bool = True,
     echo: Callable[[str], None] | None = print,
 ) -> dict:
-    """Evaluate every system on every task (reusing finished cells) and write the results; returns results.json's content.
+    """Evaluate every system on every task (reusing finished cells) and write the results; returns results.json's
+    content.
 
     With `allow_code_execution: true`, `HF_ALLOW_CODE_EVAL=1` is set for the run too: the code
     tasks' metric (HF evaluate's `code_eval`) refuses to execute anything without it.
@@ -71,13 +71,14 @@ def run_lm_eval_compare(
 def _run(config: LmEvalCompareConfig, out_dir: Path, overwrite: bool, progress: bool, echo) -> dict:
     check_hub_sources(config)
     config_hash = fingerprint(config)
-    with claim_run_dir(out_dir, config_hash, overwrite, "an lm_eval compare folder", _RUN_ENTRIES, ("cache", "cells")):
-        return _run_locked(config, config_hash, out_dir, progress, echo)
+    run = RunFolder(out_dir, LM_EVAL_FOLDER)
+    with run.claim(config_hash, overwrite):
+        return _run_claimed(config, config_hash, run, progress, echo)
 
 
-def _run_locked(config: LmEvalCompareConfig, config_hash: str, out_dir: Path, progress: bool, echo) -> dict:
-    started = time.perf_counter()
-    atomic_write_text(out_dir / "config.yaml", yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+def _run_claimed(config: LmEvalCompareConfig, config_hash: str, run: RunFolder, progress: bool, echo) -> dict:
+    out_dir = run.path
+    run.write_config(config)
 
     local_names, local_paths = [], []
     if config.letters_run is not None:
@@ -93,38 +94,34 @@ def _run_locked(config: LmEvalCompareConfig, config_hash: str, out_dir: Path, pr
     )
     cells = CellStore(out_dir, settings, manager)
     cache = out_dir / "cache"
-    timings: dict[str, float] = {}
 
-    stage = time.perf_counter()
-    systems = {**single_systems(config), **composition_systems(config)}
-    merges = _merges(config, cells, cache, progress)
-    for method, record in merges.items():
-        systems[f"merge:{method}"] = record.pop("system")
-    timings["merges"] = round(time.perf_counter() - stage, 2)
+    with run.stage("merges"):
+        systems = {**single_systems(config), **composition_systems(config)}
+        merges = _merges(config, cells, cache, progress)
+        for method, record in merges.items():
+            systems[merge_name(method)] = record.pop("system")
 
-    stage = time.perf_counter()
-    runs = [TaskRun(name, limit=config.task.limit) for name in task_names]
-    evaluated = {}
-    bar = tqdm(total=len(systems) * len(runs), desc="cells", disable=not progress, leave=False)
-    for name, system in systems.items():
-        with _Loader(system) as load:
-            splits, samples, seconds = {}, {}, 0.0
-            for run in runs:
-                cell = cells.get(system, run, load)
-                splits.update(cell["splits"])
-                samples[run.name] = cell["samples"]  # relative to out_dir
-                seconds += cell["seconds"]
-                bar.update()
-        evaluated[name] = {
-            "model": system.model,
-            "model_args": system.model_args,
-            "splits": splits,
-            "samples": samples,
-            "seconds": round(seconds, 2),
-        }
-    bar.close()
-    timings["evaluation"] = round(time.perf_counter() - stage, 2)
-    timings["total"] = round(time.perf_counter() - started, 2)
+    with run.stage("evaluation"):
+        runs = [TaskRun(name, limit=config.task.limit) for name in task_names]
+        evaluated = {}
+        bar = tqdm(total=len(systems) * len(runs), desc="cells", disable=not progress, leave=False)
+        for name, system in systems.items():
+            with _Loader(system) as load:
+                splits, samples, seconds = {}, {}, 0.0
+                for task in runs:
+                    cell = cells.get(system, task, load)
+                    splits.update(cell["splits"])
+                    samples[task.name] = cell["samples"]  # relative to out_dir
+                    seconds += cell["seconds"]
+                    bar.update()
+            evaluated[name] = {
+                "model": system.load.model,
+                "model_args": system.load.model_args,
+                "splits": splits,
+                "samples": samples,
+                "seconds": round(seconds, 2),
+            }
+        bar.close()
 
     results = {
         "kind": "lm_eval",
@@ -138,16 +135,16 @@ def _run_locked(config: LmEvalCompareConfig, config_hash: str, out_dir: Path, pr
             "evaluated": [list(cell) for cell in cells.evaluated],
             "reused": [list(cell) for cell in cells.reused],
         },
-        "timings": timings,
+        "timings": {**run.timings, "total": run.elapsed()},
     }
-    atomic_write_text(out_dir / "results.json", json.dumps(results, indent=1))
-    write_markdown(results, out_dir / "results.md")
-    plot_bars(results, out_dir / "bars.png")
+    run.write_json("results.json", results)
+    run.write_text("results.md", results_markdown(results))
+    run.write_figure("bars.png", lambda path: plot_bars(results, path))
     if echo is not None:
         echo(results_table(results))
         echo(
-            f"\nresults: {out_dir / 'results.json'}, {out_dir / 'results.md'}, {out_dir / 'bars.png'}; "
-            f"per-sample logs: {out_dir / 'samples'}"
+            f"\nresults: {run.file('results.json')}, {run.file('results.md')}, {run.file('bars.png')}; "
+            f"per-sample logs: {run.file('samples')}"
         )
     return results
 
@@ -159,31 +156,46 @@ def _merges(config: LmEvalCompareConfig, cells: CellStore, cache: Path, progress
     for method, grid in tqdm(config.merges.items(), desc="merges", disable=not progress, leave=False):
         builds = [plan_merge(config, method, params, cache) for params in grid.candidates()]
         record: dict = {"validation": []}
+        best = 0
         if len(builds) > 1:
-            task = TaskRun(selection.task, selection.split, selection.limit)
-            scores = []
-            for build in builds:
-                system = build.system(f"merge:{method}@{_label(build.params)}", config)
-                cell = cells.get(system, task, _merge_loader(config, build, cache, system))
-                scores.append(_selection_score(cell, task.name, selection.metric))
-                record["validation"].append({"params": build.params, "score": scores[-1][0], "split": scores[-1][1]})
-            higher = scores[0][2] is not False
-            best = max(
-                range(len(builds)), key=lambda index: (scores[index][0] if higher else -scores[index][0], -index)
-            )
+            record["validation"], best = _select(config, cells, cache, method, builds)
             for index, build in enumerate(builds):  # only the chosen merge stays on disk
                 if index != best and build.folder.is_dir():
                     shutil.rmtree(build.folder)
             record["selected_on"] = {"task": selection.task, "split": selection.split, "limit": selection.limit}
-        else:
-            best = 0
         chosen = builds[best]
         build_merge(config, chosen, cache)
         record.update(
-            {"chosen": chosen.params, "folder": str(chosen.folder), "system": chosen.system(f"merge:{method}", config)}
+            {"chosen": chosen.params, "folder": str(chosen.folder), "system": chosen.system(merge_name(method), config)}
         )
         merges[method] = record
     return merges
+
+
+def _select(
+    config: LmEvalCompareConfig, cells: CellStore, cache: Path, method: str, builds: list[MergeBuild]
+) -> tuple[list[dict], int]:
+    """Every grid point's score on `merge_selection` (`{"params", "score", "split"}`), and the best one's index.
+
+    A merge is built (unless cached) only where its cell on the selection task is not on disk yet.
+    """
+    selection = config.merge_selection
+    task = TaskRun(selection.task, selection.split, selection.limit)
+    by_name = {merge_name(method, build.params): build for build in builds}
+
+    def merge_system(method: str, params: dict) -> System:
+        return by_name[merge_name(method, params)].system(merge_name(method, params), config)
+
+    def selection_score(system: System) -> dict:
+        cell = cells.get(system, task, _merge_loader(config, by_name[system.name], cache, system))
+        value, split, higher = _selection_score(cell, task.name, selection.metric)
+        return {"score": value, "split": split, "higher_is_better": higher}
+
+    grid = {method: [build.params for build in builds]}
+    scores = search_merges(grid, merge_system, selection_score, progress=False)
+    best = best_record(scores, higher_is_better=scores[0]["higher_is_better"] is not False)
+    validation = [{"params": entry["params"], "score": entry["score"], "split": entry["split"]} for entry in scores]
+    return validation, scores.index(best)
 
 
 def _selection_score(cell: dict, task: str, metric: str | None) -> tuple[float, str, bool | None]:
@@ -200,23 +212,14 @@ def _selection_score(cell: dict, task: str, metric: str | None) -> tuple[float, 
     return records[split]["value"], split, records[split]["higher_is_better"]
 
 
-def _label(params: dict) -> str:
-    return ",".join(f"{key}={value}" for key, value in params.items()) or "default"
-
-
-def _merge_loader(config: LmEvalCompareConfig, build, cache: Path, system: System) -> Callable:
+def _merge_loader(config: LmEvalCompareConfig, build: MergeBuild, cache: Path, system: System) -> Callable:
     """Builds the merge (unless cached) and loads it, only when its cell is not on disk."""
 
     def load():
         build_merge(config, build, cache)
-        return _load_model(system)
+        return system.load()
 
     return load
-
-
-def _load_model(system: System):
-    """lm-eval's model for `system` (`hf` or `composed`), built from its `model_args`."""
-    return lm_eval.api.registry.get_model(system.model).create_from_arg_obj(dict(system.model_args), {})
 
 
 @contextlib.contextmanager
@@ -244,7 +247,7 @@ class _Loader:
 
     def __call__(self):
         if self.model is None:
-            self.model = _load_model(self.system)
+            self.model = self.system.load()
         return self.model
 
     def __exit__(self, *exc_info):

@@ -1,9 +1,13 @@
 """The systems of a `type: lm_eval` compare as lm-eval models, and the merges they need, built on disk and cached.
 
+Each is a `mergecompose.experiments.systems.System` whose `load` is an `LmEvalModel` (lm-eval's model name and
+its `model_args`) and whose `identity` keys its cached cells:
+
     base, expert:<name>   lm-eval's `hf` model (a peft adapter: `hf` with `peft=`, on the base)
     <composition>         our `composed` model (`mergecompose.integrations.lm_eval.model`)
-    merge:<method>        `hf` on a merge in the run's cache: mergekit's (`mergecompose.merging.merge_checkpoints`), or with
-                          `merge_definitions: paper` the papers' (`mergecompose.merging.merge`, as `mergecompose compare` does)
+    merge:<method>        `hf` on a merge in the run's cache: mergekit's (`mergecompose.merging.merge_checkpoints`),
+                          or with `merge_definitions: paper` the papers' (`mergecompose.merging.merge`, as
+                          `mergecompose compare` does)
 
 Merges and LoRA experts made dense live in `CACHE/` under a hash of their inputs (the method,
 its parameters, the dtype, the seed, and each source: a hub id, or a local folder's files with
@@ -17,29 +21,33 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+import lm_eval.api.registry
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mergecompose.composition.model import is_adapter_source
+import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers lm-eval's `composed` model)
+from mergecompose.composition.loading import is_adapter_source
 from mergecompose.core.io import atomic_output_dir, manifest_problem, write_manifest
 from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig
+from mergecompose.experiments.systems import BASE, System, expert_name
 from mergecompose.merging import TaskVector, merge, merge_checkpoints
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
-class System:
-    """One system: an lm-eval model name and its `model_args`; `identity` is what its cached cells are keyed by."""
+class LmEvalModel:
+    """lm-eval's model `model` ("hf" or "composed") with its `model_args`; calling it builds the model."""
 
-    name: str
-    model: str  # "hf" or "composed"
+    model: str
     model_args: dict
-    identity: dict = field(default_factory=dict)
+
+    def __call__(self):
+        return lm_eval.api.registry.get_model(self.model).create_from_arg_obj(dict(self.model_args), {})
 
 
 def slug(name: str) -> str:
@@ -67,23 +75,23 @@ def hf_system(
     if identity is None:
         identity = {"pretrained": source_identity(pretrained), "peft": source_identity(peft) if peft else None}
     settings = {key: value for key, value in args.items() if key not in ("pretrained", "peft")}  # paths: in `identity`
-    return System(name, "hf", args, {**settings, **identity})
+    return System(name, LmEvalModel("hf", args), {**settings, **identity})
 
 
 def single_systems(config: LmEvalCompareConfig) -> dict[str, System]:
     """`base` and every `expert:<name>` (an adapter is scored on the base, as peft runs it)."""
-    systems = {"base": hf_system("base", config, config.base)}
+    systems = {BASE: hf_system(BASE, config, config.base)}
     for name, source in config.experts.items():
         if is_adapter_source(source, f"experts.{name}"):
-            systems[f"expert:{name}"] = hf_system(
-                f"expert:{name}",
+            systems[expert_name(name)] = hf_system(
+                expert_name(name),
                 config,
                 config.base,
                 peft=source,
                 identity={"pretrained": source_identity(config.base), "peft": source_identity(source)},
             )
         else:
-            systems[f"expert:{name}"] = hf_system(f"expert:{name}", config, source)
+            systems[expert_name(name)] = hf_system(expert_name(name), config, source)
     return systems
 
 
@@ -108,7 +116,7 @@ def composition_systems(config: LmEvalCompareConfig) -> dict[str, System]:
             "base": source_identity(config.base),
             "experts": [source_identity(path) for path in args["experts"]],
         }
-        systems[name] = System(name, "composed", args, {**args, **identity})
+        systems[name] = System(name, LmEvalModel("composed", args), {**args, **identity})
     return systems
 
 
@@ -174,7 +182,8 @@ def _reusable(folder: Path) -> bool:
 
 
 def _merge_in_memory(config: LmEvalCompareConfig, build: MergeBuild, experts: list[str]) -> None:
-    """`mergecompose.merging.merge` with the papers' definitions (as `mergecompose compare` merges), saved as a checkpoint with the base's tokenizer."""
+    """`mergecompose.merging.merge` with the papers' definitions (as `mergecompose compare` merges), saved as a
+    checkpoint with the base's tokenizer."""
     dtype = DTYPES[config.dtype]
     base = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype)
     models = [AutoModelForCausalLM.from_pretrained(expert, dtype=dtype) for expert in experts]
@@ -186,7 +195,8 @@ def _merge_in_memory(config: LmEvalCompareConfig, build: MergeBuild, experts: li
 
 
 def dense_checkpoint(config: LmEvalCompareConfig, name: str, cache: Path) -> str:
-    """Expert `name` as a full checkpoint folder: itself, or for a LoRA adapter the base + ΔW with the base's tokenizer."""
+    """Expert `name` as a full checkpoint folder: itself, or for a LoRA adapter the base + ΔW with the base's
+    tokenizer."""
     source = config.experts[name]
     if not is_adapter_source(source, f"experts.{name}"):
         return source

@@ -2,39 +2,37 @@
 
 from __future__ import annotations
 
-import json
+import functools
 from pathlib import Path
 
-import yaml
-
 from mergecompose.analysis.predict import VERDICTS
-from mergecompose.analysis.report import format_number, json_safe
-from mergecompose.core.io import atomic_save_figure, atomic_write_text, markdown_table
+from mergecompose.analysis.report import format_number
+from mergecompose.core.io import atomic_save_figure, markdown_table
+from mergecompose.experiments.run_folder import RunFolder
 
 SCATTERS = {"compose_error": "scatter_compose_error.png", "merge_error": "scatter_merge_error.png"}
 _KEY_OF = {"compose_error": "spearman_compose_error", "merge_error": "spearman_merge_error"}
 
 
-def write_outputs(out_dir: Path, results: dict, config) -> list[str]:
-    files = {
-        "predict.json": json.dumps(json_safe(results), indent=1, allow_nan=False),
-        "predict.md": predict_markdown(results),
-        "config.yaml": yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, allow_unicode=True),
-    }
+def write_outputs(run: RunFolder, results: dict, config) -> list[str]:
+    """predict.json, predict.md, config.yaml, predict_rule.json (where a rule was fitted) and the scatter plots
+    into the run folder; returns the names written."""
+    written = ["predict.json", "predict.md", "config.yaml"]
+    run.write_json("predict.json", results, finite=True)
+    run.write_text("predict.md", predict_markdown(results))
+    run.write_config(config, allow_unicode=True)
     if results["rule"] is not None:
         rule = {
             **results["rule"],
             "heldout_accuracy": results["verdict"]["heldout_accuracy"],
             "sweep": {"name": results["name"], "version": results["version"], "config_hash": results["config_hash"]},
         }
-        files["predict_rule.json"] = json.dumps(json_safe(rule), indent=1, allow_nan=False)
-    for name, text in files.items():
-        atomic_write_text(out_dir / name, text)
-    written = list(files)
+        run.write_json("predict_rule.json", rule, finite=True)
+        written.append("predict_rule.json")
     for outcome, file in SCATTERS.items():
         top = ranked(results, _KEY_OF[outcome])[:3]
         if top:
-            plot_scatter(results["settings"], top, outcome, out_dir / file, results)
+            run.write_figure(file, functools.partial(plot_scatter, results["settings"], top, outcome, results=results))
             written.append(file)
     return written
 
@@ -66,12 +64,15 @@ def predict_markdown(results: dict) -> str:
     lines = [
         f"# Merge or compose? `{results['name']}` (sweep version {results['version']})",
         "",
-        f"{len(settings)} settings in {len({s['family'] for s in settings})} families; this run {results['seconds']} s. "
-        f"Measuring the settings took {results['setting_seconds']} s in all (a setting measured by an earlier run counts "
+        f"{len(settings)} settings in {len({s['family'] for s in settings})} families; "
+        f"this run {results['seconds']} s. "
+        f"Measuring the settings took {results['setting_seconds']} s in all "
+        "(a setting measured by an earlier run counts "
         "the time it took then); training the components is not included.",
         "",
         "## Settings: exact match % (a system succeeds at ≥ "
-        f"{100 * (results['rule'] or {}).get('success_threshold', 0.9):.0f} %) and the diagnostics most correlated with composition error",
+        f"{100 * (results['rule'] or {}).get('success_threshold', 0.9):.0f} %) "
+        "and the diagnostics most correlated with composition error",
         "",
     ]
     header = [
@@ -109,7 +110,8 @@ def predict_markdown(results: dict) -> str:
         "## Spearman ρ [95 % bootstrap interval] of each unlabelled diagnostic, across settings",
         "",
         "Against composition error, best-merge error, and the gap (composition − merge accuracy); and the partial ρ "
-        "against composition error with the weakest expert's own accuracy partialled out. Sorted by |ρ| against composition error.",
+        "against composition error with the weakest expert's own accuracy partialled out. "
+        "Sorted by |ρ| against composition error.",
         "",
     ]
     table = results["diagnostics"]

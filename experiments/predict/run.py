@@ -20,38 +20,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import time
 import zlib
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from mergecompose.analysis.measure import rollout_batches
 from mergecompose.analysis.predict import unlabelled_diagnostics
-from mergecompose.analysis.report import json_safe
 from mergecompose.composition import ComposedLM
 from mergecompose.core.adapters import merged_adapter_model
-from mergecompose.core.io import atomic_write_text
 from mergecompose.experiments.components import Components, prepare_components
 from mergecompose.experiments.config import CompareConfig, fingerprint
-from mergecompose.experiments.evaluate import (
-    JOINT,
-    ComposedSystem,
-    ModelSystem,
-    score,
-)
+from mergecompose.experiments.evaluate import JOINT, score
 from mergecompose.experiments.letters.overlap import pair_strings, prompt_batches
 from mergecompose.experiments.letters.settings import LettersTaskSettings
 from mergecompose.experiments.letters.sweep import greedy_pair_outputs, joint_accuracy
-from mergecompose.experiments.merge_selection import merged_model, search_merges
+from mergecompose.experiments.merge_selection import best_record, merged_model, search_merges
 from mergecompose.experiments.predict.config import SWEEP_VERSION, FamilySpec, PredictConfig, SettingSpec
 from mergecompose.experiments.predict.report import write_outputs
 from mergecompose.experiments.predict.stats import analyse
-from mergecompose.experiments.run_folder import claim_run_dir
+from mergecompose.experiments.run_folder import FolderLayout, RunFolder, Stopwatch
+from mergecompose.experiments.systems import ComposedModel, ScoredModel, SingleModel, System, merge_name
 from mergecompose.merging import TaskVector
 
 CACHED = ("checkpoints", "settings")  # kept between runs: trained components, measured settings
+PREDICT_FOLDER = FolderLayout("a predict-sweep folder", results="predict.json", cached=CACHED, leftovers=CACHED)
 
 
 def run_predict_sweep(
@@ -64,19 +57,18 @@ def run_predict_sweep(
     another config is refused unless `overwrite`; one that another run is writing, at once.
     Returns the predict.json content.
     """
-    started = time.perf_counter()
-    out_dir = Path(out_dir)
+    run = RunFolder(out_dir, PREDICT_FOLDER)
     configs = {name: config.compare_config(name) for name in config.families}  # validate everything first
     config_hash = fingerprint(config.model_dump(mode="json"))
-    with claim_run_dir(out_dir, config_hash, overwrite, "a predict-sweep folder", CACHED, CACHED, "predict.json"):
-        (out_dir / "settings").mkdir(parents=True, exist_ok=True)
+    with run.claim(config_hash, overwrite):
+        (run.path / "settings").mkdir(parents=True, exist_ok=True)
         records = []
         for family_name, family in config.families.items():
             if echo is not None:
                 echo(f"== {family_name}: {len(family.settings)} settings")
-            components = prepare_components(configs[family_name], out_dir, progress)
+            components = prepare_components(configs[family_name], run.path, progress)
             for setting in tqdm(family.settings, desc=family_name, disable=not progress):
-                records.append(_setting_record(config, family_name, family, setting, components, out_dir, progress))
+                records.append(_setting_record(config, family_name, family, setting, components, run, progress))
         results = {
             "name": config.name,
             "version": SWEEP_VERSION,
@@ -84,9 +76,9 @@ def run_predict_sweep(
             "settings": records,
             **analyse(records, config),
         }
-        results["seconds"] = round(time.perf_counter() - started, 1)
+        results["seconds"] = run.elapsed(digits=1)
         results["setting_seconds"] = round(sum(record["seconds"] for record in records), 1)
-        write_outputs(out_dir, results, config)
+        write_outputs(run, results, config)
     return results
 
 
@@ -96,9 +88,11 @@ def _setting_record(
     family: FamilySpec,
     setting: SettingSpec,
     components: Components,
-    out_dir: Path,
+    run: RunFolder,
     progress: bool,
 ) -> dict:
+    """The setting's record: from `OUT/settings/<name>.json` where its key (a hash of its inputs) is unchanged,
+    else measured now and written there."""
     compare = config.setting_config(family_name, setting)
     inputs = {
         "version": SWEEP_VERSION,
@@ -112,7 +106,8 @@ def _setting_record(
         "overlap": config.overlap.model_dump(mode="json"),
     }
     key = fingerprint(inputs)
-    path = out_dir / "settings" / f"{setting.name}.json"
+    name = f"settings/{setting.name}.json"
+    path = run.file(name)
     if path.is_file():
         try:
             cached = json.loads(path.read_text())
@@ -120,13 +115,13 @@ def _setting_record(
             cached = {}
         if cached.get("key") == key:
             return cached
-    started = time.perf_counter()
+    watch = Stopwatch()
     # The setting's own variant of each expert (e.g. `expert_noise`), on the family's shared checkpoints.
     components = dataclasses.replace(components, expert_variant=compare.task.expert_variant)
     record = {"name": setting.name, "family": family_name, "key": key, "experts_kind": family.experts}
     record.update(measure_setting(config, compare, family, setting, components, progress))
-    record["seconds"] = round(time.perf_counter() - started, 1)
-    atomic_write_text(path, json.dumps(json_safe(record), indent=1, allow_nan=False))
+    record["seconds"] = watch.elapsed(digits=1)
+    run.write_json(name, record, finite=True)
     return record
 
 
@@ -175,19 +170,19 @@ class _Scorer:
             self.prompts = list(self.validation_set.sources[: config.diagnostic_prompts])
             self.max_new_tokens = task.max_target_length(length) + 2
 
-    def joint(self, system, validation: bool = False) -> float:
+    def joint(self, model: ScoredModel, validation: bool = False) -> float:
         if self.letters:
             sources = self.validation if validation else self.test
-            outputs = greedy_pair_outputs(system, sources, self.fmt, self.tokenizer, self.batch_size)
+            outputs = greedy_pair_outputs(model, sources, self.fmt, self.tokenizer, self.batch_size)
             return joint_accuracy(outputs, sources, *self.rules.values())
         eval_set = self.validation_set if validation else self.test_set
-        return float(score(system, eval_set, self.fmt, self.tokenizer, self.batch_size).correct.mean())
+        return float(score(model, eval_set, self.fmt, self.tokenizer, self.batch_size).correct.mean())
 
-    def own(self, name: str, system) -> float:
+    def own(self, name: str, model: ScoredModel) -> float:
         if self.letters:
-            outputs = greedy_pair_outputs(system, self.test, self.fmt, self.tokenizer, self.batch_size)
+            outputs = greedy_pair_outputs(model, self.test, self.fmt, self.tokenizer, self.batch_size)
             return joint_accuracy(outputs, self.test, self.rules[name], self.rules[name])
-        return float(score(system, self.own_sets[name], self.fmt, self.tokenizer, self.batch_size).correct.mean())
+        return float(score(model, self.own_sets[name], self.fmt, self.tokenizer, self.batch_size).correct.mean())
 
 
 def _experts(family: FamilySpec, components: Components, names: list[str]) -> tuple[list, object]:
@@ -230,27 +225,23 @@ def measure_setting(
 
     # Outcomes: exact match against the gold targets.
     eos = tokenizer.eos_token_id
-    outcomes = {"compose": scorer.joint(ComposedSystem("compose", composed))}
+    outcomes = {"compose": scorer.joint(ComposedModel(composed))}
     remedies = {
-        name: scorer.joint(ComposedSystem(name, composition(remedy.build(eos))))
-        for name, remedy in config.remedies.items()
+        name: scorer.joint(ComposedModel(composition(remedy.build(eos)))) for name, remedy in config.remedies.items()
     }
     best_remedy = max(remedies, key=remedies.get)
+
+    def merge_system(method: str, params: dict) -> System:
+        return System(merge_name(method, params), lambda: SingleModel(merged_model(base, models, method, params, 0)))
+
     grids = {method: grid.candidates() for method, grid in config.merges.items()}
     candidates = search_merges(
-        base,
-        models,
-        grids,
-        lambda method, model: scorer.joint(ModelSystem(method, model), True),
-        seed=0,
-        progress=False,
+        grids, merge_system, lambda system: scorer.joint(system.load(), validation=True), progress=False
     )
-    best = max(candidates, key=lambda candidate: candidate["score"])  # the first on ties
+    best = best_record(candidates)
     outcomes["best_remedy"] = remedies[best_remedy]
-    outcomes["best_merge"] = scorer.joint(
-        ModelSystem("merge", merged_model(base, models, best["method"], best["params"], seed=0))
-    )
-    outcomes["experts"] = {name: scorer.own(name, ModelSystem(name, model)) for name, model in zip(names, models)}
+    outcomes["best_merge"] = scorer.joint(SingleModel(merged_model(base, models, best["method"], best["params"], 0)))
+    outcomes["experts"] = {name: scorer.own(name, SingleModel(model)) for name, model in zip(names, models)}
     outcomes["remedies"] = remedies
     return {
         "experts": names,

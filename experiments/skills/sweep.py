@@ -22,17 +22,28 @@ Writes `OUT/summary.json`, `OUT/summary.md` and `OUT/accuracy_vs_k.png`:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from mergecompose.core.io import atomic_save_figure, atomic_write_text, markdown_table
+from mergecompose.core.io import atomic_save_figure, markdown_table
 from mergecompose.experiments.compare import run_compare
 from mergecompose.experiments.config import CompareConfig, fingerprint, load_config
 from mergecompose.experiments.evaluate import JOINT
-from mergecompose.experiments.run_folder import hold_run_folder
+from mergecompose.experiments.run_folder import FolderLayout, RunFolder
 from mergecompose.experiments.skills.settings import SkillsTaskSettings
+
+# Any folder is accepted (the configs' run folders, the shared checkpoints); summary.json records the configs.
+SKILLS_SWEEP_FOLDER = FolderLayout(
+    "a skills-sweep folder",
+    results="summary.json",
+    hash_key="configs_hash",
+    own_entries_only=False,
+    other_config=(
+        "{folder} holds a sweep of other configs (hash {previous}, this one is {current}); "
+        "pass overwrite=True (--overwrite) or choose another folder"
+    ),
+)
 
 
 def load_sweep_configs(paths: Sequence[str | os.PathLike], expert_noise: float | None = None) -> list[CompareConfig]:
@@ -74,23 +85,18 @@ def run_skills_sweep(
     the first that needs it, while the others wait for it (`mergecompose.experiments.components`). A folder that
     another run is writing is refused at once.
     """
-    out_dir = Path(out_dir)
+    run = RunFolder(out_dir, SKILLS_SWEEP_FOLDER)
     if checkpoints is not None and not Path(checkpoints).is_dir():
         raise ValueError(f"`checkpoints` must be an existing folder, got {str(checkpoints)!r}")
-    with hold_run_folder(out_dir):
-        return _run_locked(configs, out_dir, overwrite, progress, threads, echo, checkpoints)
-
-
-def _run_locked(configs, out_dir: Path, overwrite: bool, progress: bool, threads, echo, checkpoints) -> dict:
-    summary_path = out_dir / "summary.json"
     key = fingerprint([config.model_dump(mode="json") for config in configs])
-    if summary_path.is_file() and not overwrite:
-        previous = json.loads(summary_path.read_text()).get("configs_hash")
-        if previous != key:
-            raise FileExistsError(
-                f"{out_dir} holds a sweep of other configs (hash {previous}, this one is {key}); "
-                "pass overwrite=True (--overwrite) or choose another folder"
-            )
+    with run.claim(key, overwrite):
+        return _run_claimed(configs, key, run, overwrite, progress, threads, echo, checkpoints)
+
+
+def _run_claimed(
+    configs, key: str, run: RunFolder, overwrite: bool, progress: bool, threads, echo, checkpoints
+) -> dict:
+    out_dir = run.path
     shared = out_dir / "checkpoints"
     if checkpoints is not None:
         source = Path(checkpoints).resolve()
@@ -114,12 +120,12 @@ def _run_locked(configs, out_dir: Path, overwrite: bool, progress: bool, threads
     summary = summarize(list(runs.values()))
     summary["configs_hash"] = key
     summary["runs"] = {name: str(out_dir / name) for name in runs}
-    atomic_write_text(summary_path, json.dumps(summary, indent=1))
-    atomic_write_text(out_dir / "summary.md", summary_markdown(summary))
-    plot_accuracy_against_k(summary, out_dir / "accuracy_vs_k.png")
+    run.write_json("summary.json", summary)
+    run.write_text("summary.md", summary_markdown(summary))
+    run.write_figure("accuracy_vs_k.png", lambda path: plot_accuracy_against_k(summary, path))
     if echo is not None:
         echo(summary_markdown(summary))
-        echo(f"\nsummary: {summary_path}, {out_dir / 'summary.md'}, {out_dir / 'accuracy_vs_k.png'}")
+        echo(f"\nsummary: {run.file('summary.json')}, {run.file('summary.md')}, {run.file('accuracy_vs_k.png')}")
     return summary
 
 
@@ -226,7 +232,8 @@ def summary_markdown(summary: dict) -> str:
             eos, first = failure["eos"], failure["first_error"]
             cells.append(
                 f"{_percent(eos['early'])} / {_percent(eos['missing'] + eos['late'])} / "
-                f"{_percent(first['background'])} · {_percent(first['segment'])} · {_percent(first['boundary'])} · {_percent(first['end'])}"
+                f"{_percent(first['background'])} · {_percent(first['segment'])} · "
+                f"{_percent(first['boundary'])} · {_percent(first['end'])}"
             )
         rows.append([name, *cells])
     parts += [markdown_table(["system", *[f"k = {k}" for k in ks]], rows), ""]
@@ -257,7 +264,8 @@ def summary_markdown(summary: dict) -> str:
 
     parts += [
         "Background noise of the plain composition on `joint` (teacher-forced; per region: background / segment / "
-        "boundary / end): Σ over non-owning experts of KL(p_i ‖ p_b); their summed EOS log-ratio; KL(oracle ‖ composed); "
+        "boundary / end): Σ over non-owning experts of KL(p_i ‖ p_b); their summed EOS log-ratio; "
+        "KL(oracle ‖ composed); "
         "% of steps where the composition's argmax differs from the owner-only oracle's:",
         "",
     ]

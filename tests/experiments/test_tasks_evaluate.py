@@ -12,9 +12,7 @@ from mergecompose.composition import ComposedLM, compose_logprobs
 from mergecompose.core.training import train_model
 from mergecompose.experiments.config import ModelSettings, TrainingSettings
 from mergecompose.experiments.evaluate import (
-    ComposedSystem,
     EvalSet,
-    ModelSystem,
     Scored,
     greedy_agreement,
     greedy_outputs,
@@ -26,6 +24,7 @@ from mergecompose.experiments.evaluate import (
 from mergecompose.experiments.formats import IGNORE_INDEX, SequenceFormat
 from mergecompose.experiments.letters.settings import letter_training_strings
 from mergecompose.experiments.models import build_model
+from mergecompose.experiments.systems import ComposedModel, SingleModel
 from mergecompose.experiments.tokenizer import build_tokenizer
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
@@ -122,7 +121,7 @@ def test_greedy_decoding_agrees_with_teacher_forcing(setup):
     The base copies; scored against A → B, exactly the strings without an A are right, and the
     first error is at the first A."""
     tokenizer, fmt, model = setup
-    system = ModelSystem("base", model)
+    system = SingleModel(model)
     for length in [3, 5, 9, 14]:
         eval_set = copy_set(length, 24, seed=length, replace={"A": "B", "E": "F", "I": "J"})
         scored = score(system, eval_set, fmt, tokenizer, batch_size=10)
@@ -142,7 +141,7 @@ def test_composed_system_uses_the_given_positions(setup):
     tokenizer, fmt, model = setup
     other = build_model(ModelSettings(hidden_size=32, max_position_embeddings=48), len(tokenizer), 0, 1, seed=5)
     batch = fmt.batch([[3, 4, 5], [6]], [[3, 4, 5], [6]])
-    composed = ComposedSystem("compose", ComposedLM(model, [other, model]))
+    composed = ComposedModel(ComposedLM(model, [other, model]))
     logits = [
         m(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids).logits
         for m in (model, other, model)
