@@ -515,7 +515,7 @@ def test_greedy_speculation_past_a_sliding_window(rows):
 
 @pytest.fixture(scope="module")
 def letters():
-    """A base trained to copy (coupled positions), and experts A → B and C → D fine-tuned from it, ~3 s."""
+    """A base trained to copy (coupled positions), and experts A → B and C → D fine-tuned from it."""
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
     tokenizer = build_tokenizer(alphabet)
     fmt = SequenceFormat(
