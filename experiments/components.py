@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peft import PeftModel, get_peft_model
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from mergecompose.core.io import MANIFEST_NAME, atomic_output_dir, manifest_problem, safetensors_problem, write_manifest
@@ -202,11 +203,20 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
 
         lora = plan.lora_for(name)
         if lora is not None:
-            lora_recipe = {**recipe, "component": "lora", "base": base_recipe, "training": lora.model_dump(mode="json")}
+            # "init": the adapter's initial weights are drawn from a seed of its own (`new_adapter`); adapters
+            # cached before, drawn from whatever state torch's global generator was in, are not reused.
+            lora_recipe = {
+                **recipe,
+                "component": "lora",
+                "base": base_recipe,
+                "training": lora.model_dump(mode="json"),
+                "init": "derived_seed",
+            }
 
             def train_adapter(folder: Path, name=name, lora=lora) -> dict:
                 base = load_checkpoint(base_dir)
-                peft_model = get_peft_model(base, lora_config(lora, config.model.architecture))
+                init_seed = derived_seed(config.training.seed, "lora-init", name)
+                peft_model = new_adapter(base, lora_config(lora, config.model.architecture), init_seed)
                 settings = lora.training
                 log = train_model(
                     peft_model,
@@ -222,6 +232,18 @@ def prepare_components(config: CompareConfig, run_dir: Path, progress: bool = Tr
             adapters[name] = checkpoint(f"lora-{name}", lora_recipe, train_adapter)
 
     return Components(tokenizer, fmt, base_dir, experts, adapters, training, task.expert_variant)
+
+
+def new_adapter(base: PreTrainedModel, lora: LoraConfig, seed: int) -> PeftModel:
+    """`base` with a new LoRA adapter whose initial weights depend on `seed` alone.
+
+    peft draws them from torch's global generator, whose state depends on whatever the process ran
+    before (a sweep evaluates k = 2 before it trains k = 4's adapters): the draw runs on a fork of
+    it, seeded, so the global state is left as it was.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(base, lora)
 
 
 def _finish(folder: Path, recipe: dict, log: dict, tokenizer) -> None:

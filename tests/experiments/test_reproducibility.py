@@ -13,10 +13,11 @@ import itertools
 import json
 
 import pytest
+import torch
 
-from mergecompose.experiments.components import derived_seed, sequence_format
+from mergecompose.experiments.components import derived_seed, new_adapter, sequence_format
 from mergecompose.experiments.config import load_config
-from mergecompose.experiments.models import build_model
+from mergecompose.experiments.models import build_model, lora_config
 from mergecompose.experiments.tokenizer import build_tokenizer
 
 PINNED = {
@@ -95,3 +96,23 @@ def test_the_digest_sees_a_changed_seed():
     first = next(iter(config.task.training_strings(None, tokenizer, fmt, config.training.base, seed=1)))
     second = next(iter(config.task.training_strings(None, tokenizer, fmt, config.training.base, seed=2)))
     assert _digest_tensors([first.input_ids]) != _digest_tensors([second.input_ids])
+
+
+def test_an_adapter_s_initial_weights_depend_on_its_seed_alone():
+    # A sweep trains k = 4's adapters after k = 2's evaluation: the global generator is then elsewhere.
+    config = load_config("configs/letters.yaml")
+    tokenizer = build_tokenizer(config.task.alphabet)
+    lora = lora_config(config.training.experts.lora_for("ab"), config.model.architecture)
+
+    def initial_adapter(global_seed: int, seed: int) -> dict:
+        base = build_model(config.model, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, 0)
+        torch.manual_seed(global_seed)
+        before = torch.random.get_rng_state()
+        adapter = new_adapter(base, lora, seed)
+        assert torch.equal(torch.random.get_rng_state(), before)  # the global generator is left as it was
+        return {key: value.clone() for key, value in adapter.state_dict().items() if "lora_" in key}
+
+    first, second, other = initial_adapter(1, 7), initial_adapter(2, 7), initial_adapter(1, 8)
+    assert first and first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+    assert not all(torch.equal(first[key], other[key]) for key in first)
