@@ -145,6 +145,8 @@ class TaskVector:
     def __mul__(self, scalar: float) -> TaskVector:
         if isinstance(scalar, bool) or not isinstance(scalar, numbers.Real):
             raise ValueError(f"a task vector can only be multiplied by a real scalar, got {type(scalar).__name__}")
+        if not math.isfinite(scalar):
+            raise ValueError(f"the scalar a task vector is multiplied by must be a finite real number, got {scalar!r}")
         return TaskVector({name: tensor * float(scalar) for name, tensor in self.tensors.items()})
 
     __rmul__ = __mul__

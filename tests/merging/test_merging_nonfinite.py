@@ -115,3 +115,12 @@ def test_local_values_and_hub_ids(tmp_path, monkeypatch, checkpoints, lora_dirs)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set but the hub cache does not hold it"):
         source_kind("mergecompose-tests/not-cached", "expert")
+
+
+@pytest.mark.parametrize("scalar", [math.nan, math.inf, -math.inf])
+def test_a_task_vector_times_a_non_finite_scalar_is_refused(base_model, expert_models, scalar):
+    tau = TaskVector.from_models(base_model, expert_models[0])
+    for product in (lambda: tau * scalar, lambda: scalar * tau):
+        with pytest.raises(ValueError, match=r"must be a finite real number, got (nan|inf|-inf)"):
+            product()
+    assert (tau * 0.5).norm() == pytest.approx(0.5 * tau.norm())
