@@ -11,9 +11,12 @@ A small folder, no copy of any checkpoint:
 * `composition.safetensors`: the weights as one tensor. vLLM refuses a folder without weight files; the
   components' own weights are read from their folders (`mergecompose.integrations.vllm.model`).
 
-Everything a user can get wrong is checked here, before vLLM starts: a missing path, a folder that is
-neither a checkpoint nor an adapter, experts whose config or tokenizer differ from the base's, an adapter
-made for another base or of a kind the vLLM model does not run (DoRA, LoRA on embeddings).
+Everything a user can get wrong is checked here, before vLLM starts and before anything is written: a
+missing path, a folder that is neither a checkpoint nor an adapter, experts whose config or tokenizer differ
+from the base's, an adapter made for another base or of a kind the vLLM model does not run (DoRA, LoRA on
+embeddings). Then every weight file of the base and the experts is read, one tensor at a time: a file that
+is truncated or not safetensors, a tensor holding NaN or inf, or a full expert's tensor whose name or shape
+is not the base's is refused, naming the component and the tensor.
 This module does not import vLLM: the folder is built in any environment with mergecompose.
 """
 
@@ -28,13 +31,16 @@ from pathlib import Path
 
 import torch
 from peft import PeftType
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.composition.rule import check_weights
 from mergecompose.core.adapters import check_adapter_fits, read_adapter
-from mergecompose.core.io import atomic_output_dir, refuse_output_over_inputs
+from mergecompose.core.boundary import InputFileError
+from mergecompose.core.io import atomic_output_dir, refuse_output_over_inputs, safetensors_problem
 from mergecompose.integrations.vllm.plugin import ARCHITECTURE
+from mergecompose.merging.state_dicts import check_finite
 
 PLACEHOLDER_WEIGHTS = "composition.safetensors"
 # Files of a tokenizer (any of them) and the generation defaults vLLM reads beside config.json.
@@ -65,6 +71,8 @@ _CONFIG_FIELDS_THAT_MAY_DIFFER = {
     "return_dict",
     "_attn_implementation_autoset",
 }
+NONFINITE_HINT = "the vLLM model would compose NaN log-probabilities; give a component with finite weights"
+SAFETENSORS_EXPECTED = "a complete safetensors file (save it again with `save_pretrained`)"
 
 
 def build_vllm_model(
@@ -102,6 +110,7 @@ def build_vllm_model(
             "vLLM needs the base's tokenizer"
         )
     components = []
+    full_experts: dict[str, Path] = {}  # argument -> folder
     for index, (expert, name) in enumerate(zip(experts, names)):
         argument = f"experts[{index}]"
         folder = _local_folder(expert, argument)
@@ -112,12 +121,16 @@ def build_vllm_model(
         elif (folder / "config.json").is_file():
             _check_full_expert(folder, argument, base_config, base_folder, base_tokenizer)
             components.append({"name": name, "path": str(folder), "kind": "full"})
+            full_experts[argument] = folder
         else:
             raise ValueError(
                 f"`{argument}` {str(expert)!r} is neither a model folder (config.json) nor a peft adapter "
                 f"folder (adapter_config.json); it holds {sorted(p.name for p in folder.iterdir())[:8]}"
             )
     refuse_output_over_inputs(out_dir, [base, *experts], "`out_dir`")
+    base_shapes = _check_weights(base_folder, "base")
+    for argument, folder in full_experts.items():
+        _check_weights(folder, argument, base_shapes)
 
     config = dict(base_config)
     config["architectures"] = [ARCHITECTURE]
@@ -186,6 +199,72 @@ def _check_safetensors(folder: Path, argument: str) -> None:
         )
 
 
+def _weight_files(folder: Path, argument: str) -> list[Path]:
+    """The safetensors files vLLM reads: those of model.safetensors.index.json if there is one, else every one."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return sorted({folder / file_name for file_name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as error:
+            raise InputFileError(
+                argument,
+                index,
+                f"is not a readable safetensors index ({type(error).__name__}: {error})",
+                'JSON with a "weight_map" of tensor names to files',
+            ) from None
+    return sorted(folder.glob("*.safetensors"))
+
+
+def _check_safetensors_file(path: Path, argument: str) -> None:
+    """`path` is a whole safetensors file: a regular file this user can read, its size what its header says."""
+    if not path.is_file():
+        problem = "is a folder, not a file" if path.is_dir() else "no such file"
+        raise InputFileError(argument, path, problem, SAFETENSORS_EXPECTED)
+    try:
+        problem = safetensors_problem(path)
+    except OSError as error:
+        raise InputFileError(
+            argument, path, f"cannot be read ({error.strerror or error})", SAFETENSORS_EXPECTED
+        ) from None
+    if problem is not None:
+        raise InputFileError(argument, path, problem.removeprefix(f"{path} "), SAFETENSORS_EXPECTED)
+
+
+def _check_weights(
+    folder: Path, argument: str, base_shapes: dict[str, tuple[int, ...]] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Read every tensor of the checkpoint `folder`, one at a time: whole files, finite values, and (for an
+    expert, given `base_shapes`) the base's tensor names and shapes. Returns {tensor name: shape}."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    where = f"`{argument}` {str(folder)!r}"
+    for path in _weight_files(folder, argument):
+        _check_safetensors_file(path, argument)
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except SafetensorError as error:
+            raise InputFileError(
+                argument, path, f"has an unreadable safetensors header ({error})", SAFETENSORS_EXPECTED
+            ) from None
+        for name in handle.keys():
+            tensor = handle.get_tensor(name)  # one tensor alive at a time
+            shape = tuple(tensor.shape)
+            if base_shapes is not None and name in base_shapes and shape != base_shapes[name]:
+                raise ValueError(
+                    f"{where}: tensor `{name}` has shape {shape}, the base's {base_shapes[name]}; a full expert "
+                    "must hold the base's tensors with the base's shapes"
+                )
+            check_finite(name, tensor, where, NONFINITE_HINT)
+            shapes[name] = shape
+    if base_shapes is not None and set(shapes) != set(base_shapes):
+        missing, extra = sorted(set(base_shapes) - set(shapes)), sorted(set(shapes) - set(base_shapes))
+        raise ValueError(
+            f"{where}: its tensors are not the base's (missing {missing[:3]}, not in the base {extra[:3]}); a full "
+            "expert must hold the base's tensors with the base's shapes"
+        )
+    return shapes
+
+
 def _load_tokenizer(folder: Path):
     if not any((folder / name).is_file() for name in TOKENIZER_FILES[:5]):
         return None
@@ -217,8 +296,11 @@ def _check_full_expert(folder: Path, argument: str, base_config: dict, base_fold
 
 
 def _check_lora(folder: Path, argument: str, base_folder: Path) -> dict:
-    """Check a LoRA adapter against the base (shapes, kind, targets); return its scaling and target modules."""
-    config, state_dict = read_adapter(str(folder))
+    """Check a LoRA adapter against the base (shapes, kind, targets, finite values); return its scaling and
+    target modules."""
+    if (folder / "adapter_model.safetensors").exists():
+        _check_safetensors_file(folder / "adapter_model.safetensors", argument)
+    config, state_dict = read_adapter(str(folder), argument)
     if config.peft_type != PeftType.LORA:
         raise ValueError(
             f"`{argument}` {str(folder)!r} is a {config.peft_type} adapter; the vLLM model runs LoRA adapters only"
@@ -254,5 +336,7 @@ def _check_lora(folder: Path, argument: str, base_folder: Path) -> dict:
         check_adapter_fits(str(folder), config, state_dict, skeleton)
     except ValueError as error:
         raise ValueError(f"`{argument}` {str(folder)!r} does not fit `base` {str(base_folder)!r}: {error}") from None
+    for name, tensor in state_dict.items():
+        check_finite(name, tensor, f"`{argument}` {str(folder)!r}", NONFINITE_HINT)
     scaling = config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
     return {"lora_scaling": scaling, "lora_targets": targets}
