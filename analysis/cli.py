@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mergecompose.analysis.report import recommendation_text, terminal_table
 from mergecompose.analysis.run import OverlapRunConfig, run_overlap
-from mergecompose.core.cli_common import add_common_flags
+from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.core.io import read_yaml_mapping
 
 
@@ -70,9 +70,10 @@ def add_commands(subparsers) -> None:
         "from --data's prompts, read by the verdict rule fitted by `mergecompose predict-sweep` on synthetic tasks",
     )
     overlap.add_argument("--rule", help="with --recommend: a predict_rule.json to use instead of the shipped one")
-    add_common_flags(overlap, out="output folder (refused if it exists, unless --overwrite)")
+    add_common_flags(overlap, out="output folder (refused if it exists, unless --overwrite)", check=True)
+    declare_paths(overlap, inputs=("base", "experts", "merged", "data", "tokenizer"), configs=("config", "rule"))
     overlap.set_defaults(overwrite=None)  # unset: the config's `overwrite` (or its default) applies
-    overlap.set_defaults(func=run_overlap_command)
+    overlap.set_defaults(func=run_overlap_command, preflight=preflight_overlap_command)
 
 
 _SETTINGS_FLAGS = ("epsilon", "eta", "seed", "centre", "full_vocabulary", "candidates")
@@ -112,6 +113,10 @@ def config_from_args(args):
             settings[name] = getattr(args, name)
     values["settings"] = settings
     return OverlapRunConfig.model_validate(values)
+
+
+def preflight_overlap_command(args) -> None:
+    config_from_args(args)
 
 
 def run_overlap_command(args) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from mergecompose.composition import ComposedLM
-from mergecompose.core.cli_common import add_common_flags
+from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
 
 
@@ -18,6 +18,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     demo.add_argument("--max-new-tokens", type=int, default=12)
     demo.add_argument("--seed", type=int, default=0)
     add_common_flags(demo)
+    declare_paths(demo, outputs=())
     demo.set_defaults(func=run_demo)
 
 

@@ -1,7 +1,10 @@
-"""Flags every `mergecompose` subcommand shares, defined once: `--out`, `--overwrite`, `--quiet`, `--threads`.
+"""What every `mergecompose` subcommand shares, defined once: the flags `--out`, `--overwrite`, `--quiet`,
+`--threads` and `--check`, and the declaration of the files and folders a command reads and writes.
 
-Each package's `cli.py` calls `add_common_flags` on its subparsers; `mergecompose.cli.main` runs every
-command inside `command_settings`, which applies `--threads` and `--quiet` and restores both after.
+Each package's `cli.py` calls `add_common_flags` and `declare_paths` on its subparsers;
+`mergecompose.cli.main` then, before anything is written or loaded, checks each output against every
+declared input (`check_declared_paths`), runs the command's pre-flight, and runs the command inside
+`command_settings`, which applies `--threads` and `--quiet` and restores both after.
 """
 
 from __future__ import annotations
@@ -9,11 +12,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from transformers.utils import logging as transformers_logging
+
+from mergecompose.core.io import refuse_output_over_inputs
+
+CHECK_HELP = (
+    "validate everything this command needs (config, paths, outputs, extras, free disk) and stop before any "
+    "work: nothing is loaded, trained or written"
+)
 
 
 def positive_int(text: str) -> int:
@@ -35,9 +48,13 @@ def add_common_flags(
     overwrite: str = "replace an existing --out folder",
     threads: bool = True,
     default_threads: int | None = None,
+    check: bool = False,
 ) -> None:
     """Add `--quiet`, and `--out DIR` with `--overwrite` (if `out`, the help of `--out`, is given),
-    and `--threads N` (if `threads`; `default_threads=None` leaves torch's own default)."""
+    `--threads N` (if `threads`; `default_threads=None` leaves torch's own default) and `--check`
+    (if `check`: the pre-flight alone, for commands that run for minutes)."""
+    if check:
+        parser.add_argument("--check", action="store_true", help=CHECK_HELP)
     if out is not None:
         parser.add_argument("--out", metavar="DIR", required=out_required, help=out)
         parser.add_argument("--overwrite", action="store_true", help=overwrite)
@@ -86,3 +103,187 @@ def check_output_location(out: str | os.PathLike | None, flag: str = "--out") ->
         raise NotADirectoryError(f"`{flag}` {str(out)!r} cannot be created: {str(parent)!r} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(f"`{flag}` {str(out)!r} cannot be written: {str(parent)!r} is not writable by this user")
+
+
+# ---- the files and folders a command reads and writes ----------------------------------------------
+
+_CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+@dataclass(frozen=True)
+class PathDeclaration:
+    """Which arguments of a command name what it reads and what it writes.
+
+    `inputs`: arguments whose value (a path, or a list of paths) is read. `configs`: arguments naming a
+    config file; the file is an input, and so is every existing file or folder a string in it names
+    (relative to the config's folder or to the working directory). `outputs`: arguments naming a
+    folder the command writes (replacing it with `--overwrite`). `caches`: folders the command both
+    reads and writes by design (a shared checkpoints folder), so an output may hold them. `more`: a
+    function of the parsed arguments giving further (inputs, outputs), for a command whose
+    arguments are another program's (`lm-eval`). `not_paths`: arguments that take no path although
+    their help speaks of files or folders (for the test that finds undeclared path arguments).
+    """
+
+    inputs: tuple[str, ...] = ()
+    configs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ("out",)
+    caches: tuple[str, ...] = ()
+    more: Callable[[argparse.Namespace], tuple[list[str], list[tuple[str, str]]]] | None = None
+    not_paths: tuple[str, ...] = ()  # arguments whose help speaks of files or folders but take no path
+
+    def named(self) -> set[str]:
+        return {*self.inputs, *self.configs, *self.outputs, *self.caches}
+
+
+def declare_paths(parser: argparse.ArgumentParser, **declaration: object) -> None:
+    """Record on `parser` which of its arguments are inputs, configs, outputs and caches (`PathDeclaration`)."""
+    parser.set_defaults(declared_paths=PathDeclaration(**declaration))  # type: ignore[arg-type]
+
+
+def declared_inputs(args: argparse.Namespace) -> list[str]:
+    """Every local file and folder the command given by `args` reads: its path arguments, its config files and
+    every existing path named in them."""
+    declaration: PathDeclaration = getattr(args, "declared_paths", PathDeclaration())
+    inputs = [value for name in declaration.inputs for value in _values(getattr(args, name, None))]
+    for name in declaration.configs:
+        for config in _values(getattr(args, name, None)):
+            inputs.append(config)
+            inputs.extend(paths_named_in(config))
+    if declaration.more is not None:
+        inputs.extend(declaration.more(args)[0])
+    return inputs
+
+
+def declared_outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, path) of every output folder the command given by `args` writes (its own flags, or else its config's
+    `out`; what `more` gives is another program's and is checked only against the inputs)."""
+    declaration: PathDeclaration = getattr(args, "declared_paths", PathDeclaration())
+    outputs = [
+        (_flag(name), value)
+        for name in declaration.outputs
+        for value in _values(getattr(args, name, None))
+        if name != "out_dir" or getattr(args, "out", None) is None
+    ]
+    if not outputs:  # a config's own `out`, when no flag gives one
+        for name in declaration.configs:
+            for config in _values(getattr(args, name, None)):
+                outputs.extend(outputs_named_in(config))
+    return outputs
+
+
+def check_declared_paths(args: argparse.Namespace) -> None:
+    """Refuse, before anything is written, an output that cannot be written or that is, holds or lies inside an
+    input: writing there (and with `--overwrite`, replacing it) would delete or change the user's files."""
+    inputs = declared_inputs(args)
+    for flag, out in declared_outputs(args):
+        check_output_location(out, flag)
+        refuse_output_over_inputs(out, inputs, f"`{flag}`")
+    declaration: PathDeclaration = getattr(args, "declared_paths", PathDeclaration())
+    if declaration.more is not None:  # another program's outputs: it checks their form itself
+        for flag, out in declaration.more(args)[1]:
+            refuse_output_over_inputs(out, inputs, f"`{flag}`")
+
+
+def paths_named_in(config: str | os.PathLike, _seen: set[Path] | None = None) -> list[str]:
+    """The existing local files and folders that string values of the YAML or JSON file `config` name, and, for a
+    config it names in turn, those that one names.
+
+    A value counts when it exists relative to the config's folder or to the working directory (both are
+    kept: either may be what the user meant). The values of output keys (`OUTPUT_KEYS`) are outputs, not
+    inputs (`outputs_named_in`). A file that does not parse names nothing here; its own validation reports it.
+    """
+    path = Path(config).expanduser()
+    seen = set() if _seen is None else _seen
+    if path.suffix.lower() not in _CONFIG_SUFFIXES or not path.is_file() or path.resolve() in seen:
+        return []
+    seen.add(path.resolve())
+    named: list[str] = []
+    for text in _strings(_parsed(path)):
+        if not text or "\n" in text or len(text) > 4096:
+            continue
+        for candidate in (path.parent / Path(text).expanduser(), Path(text).expanduser()):
+            try:
+                if candidate.exists() and not _holds_the_working_folders(candidate, path):
+                    named.append(str(candidate))
+                    named.extend(paths_named_in(candidate, seen))
+            except (OSError, ValueError):  # a name too long, or with a NUL
+                continue
+    return list(dict.fromkeys(named))
+
+
+def _holds_the_working_folders(candidate: Path, config: Path) -> bool:
+    """Whether `candidate` is the config's folder, the working directory or a folder above them: a value such as
+    "/" or "." (a separator, an alphabet's character) names no input, and would forbid every output."""
+    folder = candidate.resolve()
+    return any(folder == place or folder in place.parents for place in (config.resolve().parent, Path.cwd()))
+
+
+OUTPUT_KEYS = frozenset({"out", "out_dir", "output_path"})
+
+
+def outputs_named_in(config: str | os.PathLike) -> list[tuple[str, str]]:
+    """(what, path) of each top-level output key (`OUTPUT_KEYS`) that the config file `config` sets."""
+    data = _parsed(Path(config).expanduser())
+    if not isinstance(data, dict):
+        return []
+    return [(f"`{key}` of {config}", value) for key, value in data.items() if key in OUTPUT_KEYS and _is_text(value)]
+
+
+def _parsed(path: Path) -> object:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+
+
+def _is_text(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _strings(data: object) -> Iterator[str]:
+    if isinstance(data, str):
+        yield data
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            if key not in OUTPUT_KEYS:
+                yield from _strings(key)
+                yield from _strings(value)
+    elif isinstance(data, (list, tuple)):
+        for value in data:
+            yield from _strings(value)
+
+
+def _values(value: object) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, (str, os.PathLike)):
+        return [os.fspath(value)]
+    if isinstance(value, Iterable):
+        return [os.fspath(item) for item in value if isinstance(item, (str, os.PathLike))]
+    return []
+
+
+def _flag(dest: str) -> str:
+    return "--out" if dest == "out_dir" else "--" + dest.replace("_", "-")
+
+
+def check_free_disk(folder: str | os.PathLike, needed_bytes: int, what: str, flag: str = "--out") -> None:
+    """Refuse, before the work, an output folder on a disk with less free space than `needed_bytes` (an estimate of
+    what the command will write: `what`)."""
+    path = Path(folder).expanduser()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    if needed_bytes > free:
+        raise OSError(
+            f"`{flag}` {str(folder)!r}: {what} need about {_size(needed_bytes)}, and its disk has {_size(free)} free; "
+            "free some space or choose a folder on another disk"
+        )
+
+
+def _size(count: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB"):
+        if count < 1000 or unit == "GB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB"

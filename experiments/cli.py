@@ -6,9 +6,9 @@ from __future__ import annotations
 from transformers.utils import logging as transformers_logging
 
 from mergecompose.analysis.report import format_number
-from mergecompose.core.cli_common import add_common_flags
+from mergecompose.core.cli_common import add_common_flags, check_free_disk, declare_paths
 from mergecompose.core.io import load_yaml_config, markdown_table
-from mergecompose.experiments.compare import run_compare
+from mergecompose.experiments.compare import preflight_compare, run_compare, synthetic_checkpoint_bytes
 from mergecompose.experiments.config import load_config
 from mergecompose.experiments.letters.sweep import SweepConfig, run_sweep
 from mergecompose.experiments.predict import PredictConfig, run_predict_sweep
@@ -28,8 +28,10 @@ def add_commands(subparsers) -> None:
         out_required=True,
         overwrite="replace results of another config in --out",
         default_threads=1,
+        check=True,
     )
-    compare.set_defaults(func=run_compare_command)
+    declare_paths(compare, configs=("config",))
+    compare.set_defaults(func=run_compare_command, preflight=preflight_compare_command)
 
     skills = subparsers.add_parser(
         "skills-sweep",
@@ -51,8 +53,10 @@ def add_commands(subparsers) -> None:
         out_required=True,
         overwrite="replace results of other configs in --out",
         default_threads=1,
+        check=True,
     )
-    skills.set_defaults(func=run_skills_sweep_command)
+    declare_paths(skills, configs=("configs",), caches=("checkpoints",))
+    skills.set_defaults(func=run_skills_sweep_command, preflight=preflight_skills_sweep_command)
 
     sweep = subparsers.add_parser(
         "overlap-sweep",
@@ -69,8 +73,10 @@ def add_commands(subparsers) -> None:
         out_required=True,
         overwrite="replace the results of another config in --out",
         default_threads=1,
+        check=True,
     )
-    sweep.set_defaults(func=run_overlap_sweep_command)
+    declare_paths(sweep, configs=("config",))
+    sweep.set_defaults(func=run_overlap_sweep_command, preflight=preflight_overlap_sweep_command)
 
     predict = subparsers.add_parser(
         "predict-sweep",
@@ -89,8 +95,14 @@ def add_commands(subparsers) -> None:
         overwrite="replace the results of another config in --out "
         "(per-setting results still count where their inputs match)",
         default_threads=1,
+        check=True,
     )
-    predict.set_defaults(func=run_predict_sweep_command)
+    declare_paths(predict, configs=("config",))
+    predict.set_defaults(func=run_predict_sweep_command, preflight=preflight_predict_sweep_command)
+
+
+def preflight_compare_command(args) -> None:
+    preflight_compare(load_config(args.config), args.out, args.overwrite, args.config)
 
 
 def run_compare_command(args) -> int:
@@ -100,9 +112,16 @@ def run_compare_command(args) -> int:
     return 0
 
 
-def run_skills_sweep_command(args) -> int:
+def preflight_skills_sweep_command(args) -> None:
+    """The noise, every config (loaded and validated), and the disk for all their checkpoints."""
     if args.expert_noise is not None and not args.expert_noise >= 0:
         raise ValueError(f"`--expert-noise` must be >= 0, got {args.expert_noise}")
+    configs = load_sweep_configs(args.configs, args.expert_noise)
+    needed = sum(synthetic_checkpoint_bytes(config) for config in configs)
+    check_free_disk(args.out, needed, f"the checkpoints of {len(configs)} skills configs")
+
+
+def run_skills_sweep_command(args) -> int:
     configs = load_sweep_configs(args.configs, args.expert_noise)
     transformers_logging.disable_progress_bar()
     run_skills_sweep(
@@ -114,6 +133,10 @@ def run_skills_sweep_command(args) -> int:
         checkpoints=args.checkpoints,
     )
     return 0
+
+
+def preflight_overlap_sweep_command(args) -> None:
+    load_yaml_config(args.config, SweepConfig, "sweep config")
 
 
 def run_overlap_sweep_command(args) -> int:
@@ -139,6 +162,10 @@ def run_overlap_sweep_command(args) -> int:
     if not args.quiet:
         print(f"\nwrote {args.out}/sweep.json, sweep.md, overlap_vs_error.png, config.yaml")
     return 0
+
+
+def preflight_predict_sweep_command(args) -> None:
+    load_yaml_config(args.config, PredictConfig, "predict config")
 
 
 def run_predict_sweep_command(args) -> int:

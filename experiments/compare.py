@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel
 from tqdm.auto import tqdm
 
 from mergecompose.composition import ComposedLM
+from mergecompose.core.cli_common import check_free_disk
 from mergecompose.core.io import atomic_write_text
 from mergecompose.experiments.components import Components, prepare_components
 from mergecompose.experiments.config import CompareConfig, fingerprint
@@ -98,6 +100,7 @@ def run_compare(
     is run by that kind's own function, under the same `threads`; `sections` apply to `CompareConfig` only.
     """
     kind = compare_kind_of(config)
+    preflight_compare(config, out_dir, overwrite)
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -107,6 +110,36 @@ def run_compare(
         return _run(config, Path(out_dir), overwrite, progress, sections, echo)
     finally:
         torch.set_num_threads(previous_threads)
+
+
+def preflight_compare(
+    config: BaseModel, out_dir: str | os.PathLike, overwrite: bool = False, config_path: str | os.PathLike | None = None
+) -> None:
+    """Check, before any work, what the comparison needs to its last step; load no model and write nothing.
+
+    The run folder must be new, this config's, or replaceable (`overwrite`); its disk must hold the checkpoints
+    the run writes (estimated from the model's size); a compare kind of its own (`type: lm_eval`) checks the
+    rest itself (`CompareKind.preflight`: tasks, metrics, devices, vocabularies). `mergecompose compare --check`
+    runs this alone.
+    """
+    kind = compare_kind_of(config)
+    if kind is None:
+        RunFolder(out_dir, COMPARE_FOLDER).check(fingerprint(config), overwrite)
+        check_free_disk(out_dir, synthetic_checkpoint_bytes(config), "the checkpoints of this comparison")
+    elif kind.preflight is not None:
+        kind.preflight(config, out_dir, overwrite, config_path)
+
+
+def synthetic_checkpoint_bytes(config: CompareConfig) -> int:
+    """About how many bytes the checkpoints of a synthetic comparison take: a float32 model per trained component
+    (the base, each full expert and its variants' copies) and a LoRA adapter each (counted as a full copy, an
+    upper bound), from the model's shape and a vocabulary of up to 512 ids."""
+    model = config.model
+    hidden, layers = model.hidden_size, model.num_layers
+    intermediate = model.intermediate_size or hidden * (2 if model.architecture == "llama" else 4)
+    parameters = layers * (4 * hidden * hidden + 3 * hidden * intermediate) + 2 * 512 * hidden
+    components = 1 + 2 * len(config.task.trained_skills())
+    return 4 * parameters * components * (1 + len(config.variants))
 
 
 @dataclass

@@ -125,22 +125,28 @@ def _protocol_members() -> list[str]:
 
 @dataclass(frozen=True)
 class CompareKind:
-    """A comparison with its own config model: `run(config, out_dir, overwrite=, progress=, echo=) -> results`."""
+    """A comparison with its own config model: `run(config, out_dir, overwrite=, progress=, echo=) -> results`, and
+    `preflight(config, out_dir, overwrite, config_path)`, which checks before any work what the run needs to its
+    last step, loading no model and writing nothing (`mergecompose compare --check`)."""
 
     task_type: str
     config: type[BaseModel]
     run: Callable[..., dict]
+    preflight: Callable[..., None] | None = None
 
 
 _COMPARE_KINDS: dict[str, CompareKind] = {}
 COMPARE_KINDS = MappingProxyType(_COMPARE_KINDS)
 
 
-def register_compare_kind(task_type: str, config: type[BaseModel], run: Callable[..., dict]) -> None:
-    """Configs whose `task.type` is `task_type` are `config` models, run by `run` (a duplicate is an error)."""
+def register_compare_kind(
+    task_type: str, config: type[BaseModel], run: Callable[..., dict], preflight: Callable[..., None] | None = None
+) -> None:
+    """Configs whose `task.type` is `task_type` are `config` models, run by `run` after `preflight` (a duplicate is
+    an error)."""
     if task_type in _COMPARE_KINDS or task_type in _REGISTRY:
         raise ValueError(f"task type {task_type!r} is already registered")
-    _COMPARE_KINDS[task_type] = CompareKind(task_type, config, run)
+    _COMPARE_KINDS[task_type] = CompareKind(task_type, config, run, preflight)
 
 
 def compare_kind_of(config: BaseModel) -> CompareKind | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from mergecompose.core.cli_common import add_common_flags
+from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.core.io import atomic_output_dir, markdown_table, refuse_existing
 from mergecompose.core.sources import check_model_source, source_kind
 from mergecompose.merging.checkpoints import load_merge_config, merge_checkpoints
@@ -30,6 +30,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     merge.add_argument("out_dir", nargs="?", metavar="DIR", help=argparse.SUPPRESS)  # the older form of --out
     add_common_flags(merge, out="output folder, written atomically")
     merge.add_argument("--allow-nonfinite", action="store_true", help=_ALLOW_NONFINITE)
+    declare_paths(merge, configs=("config",), outputs=("out", "out_dir"))
     merge.set_defaults(func=run_merge)
 
     task_vector = subparsers.add_parser(
@@ -39,6 +40,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     task_vector.add_argument("finetuned", nargs="+", help="fine-tuned checkpoint folders or LoRA adapter folders")
     add_common_flags(task_vector, out="also write the figures to DIR/task_vectors.json")
     task_vector.add_argument("--allow-nonfinite", action="store_true", help=_ALLOW_NONFINITE)
+    declare_paths(task_vector, inputs=("base", "finetuned"))
     task_vector.set_defaults(func=run_task_vector)
 
 

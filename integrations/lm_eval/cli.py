@@ -14,6 +14,7 @@ import sys
 from lm_eval._cli import HarnessCLI
 
 import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers the `composed` model)
+from mergecompose.core.cli_common import declare_paths
 
 
 def add_commands(subparsers) -> None:
@@ -26,6 +27,7 @@ def add_commands(subparsers) -> None:
         help="lm-evaluation-harness's command line with the `composed` model registered (lm-eval's own flags)",
     )
     command.add_argument("arguments", nargs="*")
+    declare_paths(command, outputs=(), more=lm_eval_paths)
     command.set_defaults(func=run_lm_eval)
 
 
@@ -49,3 +51,28 @@ def _argv(argv: list[str]):
         yield
     finally:
         sys.argv = previous
+
+
+_OUTPUT_FLAGS = ("--output_path", "-o")
+_INPUT_FLAGS = ("--include_path", "--config", "-C")
+
+
+def lm_eval_paths(args) -> tuple[list[str], list[tuple[str, str]]]:
+    """The inputs and outputs named in lm-eval's own arguments: `--include_path` (task folders), `--config`, every
+    value of `--model_args` (base, experts, …; lm-eval separates them with commas, lists with `|`), and
+    `--output_path`, so that the results are never written over the tasks or the models."""
+    arguments = list(args.arguments)
+    inputs: list[str] = []
+    outputs: list[tuple[str, str]] = []
+    for index, argument in enumerate(arguments):
+        flag, _, value = argument.partition("=")
+        if not value and index + 1 < len(arguments):
+            value = arguments[index + 1]
+        if flag in _OUTPUT_FLAGS:
+            outputs.append((flag, value))
+        elif flag in _INPUT_FLAGS:
+            inputs.append(value)
+        elif flag == "--model_args":
+            for pair in value.split(","):
+                inputs.extend(pair.partition("=")[2].split("|"))
+    return [path for path in inputs if path], outputs

