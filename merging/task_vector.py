@@ -147,7 +147,17 @@ class TaskVector:
             raise ValueError(f"a task vector can only be multiplied by a real scalar, got {type(scalar).__name__}")
         if not math.isfinite(scalar):
             raise ValueError(f"the scalar a task vector is multiplied by must be a finite real number, got {scalar!r}")
-        return TaskVector({name: tensor * float(scalar) for name, tensor in self.tensors.items()})
+        products = {name: tensor * float(scalar) for name, tensor in self.tensors.items()}
+        for name, product in products.items():
+            # A finite scalar can still overflow the dtype (1e300 · float32 → inf); NaN or inf already in the
+            # task vector (built with allow_nonfinite=True) is the caller's and stays.
+            overflowed = ~torch.isfinite(product) & torch.isfinite(self.tensors[name])
+            if overflowed.any():
+                raise ValueError(
+                    f"the scalar a task vector is multiplied by must keep it finite, got {scalar!r}: tensor `{name}` "
+                    f"{tuple(product.shape)} overflows {product.dtype} in {int(overflowed.sum())} entries"
+                )
+        return TaskVector(products)
 
     __rmul__ = __mul__
 

@@ -124,3 +124,18 @@ def test_a_task_vector_times_a_non_finite_scalar_is_refused(base_model, expert_m
         with pytest.raises(ValueError, match=r"must be a finite real number, got (nan|inf|-inf)"):
             product()
     assert (tau * 0.5).norm() == pytest.approx(0.5 * tau.norm())
+
+
+def test_a_task_vector_times_a_scalar_that_overflows_it_is_refused(base_model, expert_models):
+    tau = TaskVector.from_models(base_model, expert_models[0])
+    for product in (lambda: tau * 1e300, lambda: 1e300 * tau, lambda: tau * -1e39):
+        with pytest.raises(ValueError, match=r"must keep it finite, got -?1e\+(300|39): tensor `.*` \(.*\) overflows"):
+            product()
+    assert torch.isfinite((tau * 1e30).tensors[BROKEN]).all()  # large, still finite in float32
+
+
+def test_nan_already_in_a_task_vector_is_kept_by_a_finite_product(base_model, expert_models):
+    tau = TaskVector.from_state_dicts(
+        base_model.state_dict(), _with_nan(expert_models[0].state_dict()), allow_nonfinite=True
+    )
+    assert torch.isnan((tau * 2.0).tensors[BROKEN]).sum() == 1
