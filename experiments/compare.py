@@ -125,7 +125,9 @@ def preflight_compare(
     kind = compare_kind_of(config)
     if kind is None:
         RunFolder(out_dir, COMPARE_FOLDER).check(fingerprint(config), overwrite)
-        check_free_disk(out_dir, synthetic_checkpoint_bytes(config), "the checkpoints of this comparison")
+        model = config.model
+        shape = f"`model.hidden_size` {model.hidden_size}, `model.num_layers` {model.num_layers}"
+        check_free_disk(out_dir, synthetic_checkpoint_bytes(config), f"the checkpoints of this comparison ({shape})")
     elif kind.preflight is not None:
         kind.preflight(config, out_dir, overwrite, config_path)
 

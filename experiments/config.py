@@ -240,7 +240,13 @@ class CompareConfig(_Strict):
         if self.task.formulation == "aligned" and self.positions.scheme == "coupled":
             raise ValueError("`positions.scheme: coupled` is for seq2seq; the aligned formulation needs `contiguous`")
         self.task.check_config(self)
-        longest = max([*self.evaluation.lengths, self.eval_length, self.task.train_lengths[1]])
+        lengths = {
+            "evaluation.lengths": max(self.evaluation.lengths),
+            "evaluation.length": self.eval_length,
+            "task.train_lengths": self.task.train_lengths[1],
+        }
+        longest = max(lengths.values())
+        source = next(name for name, length in lengths.items() if length == longest)
         # seq2seq: room for the tokens greedy decoding may generate past the target (the task's margin).
         needed = self.slots_needed(longest) + (
             self.task.generation_margin() if self.task.formulation == "seq2seq" else 0
@@ -248,7 +254,7 @@ class CompareConfig(_Strict):
         if needed > self.positions.max_position:
             raise ValueError(
                 f"`positions.max_position` = {self.positions.max_position} is too small for strings of length "
-                f"{longest} (needs {needed})"
+                f"{longest}, from `{source}` (needs {needed} with `task.formulation` {self.task.formulation!r})"
             )
         if self.positions.max_position > self.model.max_position_embeddings:
             raise ValueError(
@@ -329,9 +335,33 @@ def load_config(path: str | Path) -> BaseModel:
     The model is that of the compare kind registered for `task.type` (`mergecompose.experiments.registry.COMPARE_KINDS`,
     e.g. `lm_eval`), else `CompareConfig` (the synthetic tasks).
     """
-    task = read_yaml_mapping(path).get("task")
-    kind = COMPARE_KINDS.get(task.get("type")) if isinstance(task, dict) else None
+    data = read_yaml_mapping(path)
+    task = data.get("task")
+    task_type = task.get("type") if isinstance(task, dict) else None
+    kind = COMPARE_KINDS.get(task_type) if isinstance(task_type, str) else None
+    if kind is None:
+        _check_no_other_kind(path, data)
     return load_yaml_config(path, CompareConfig if kind is None else kind.config)
+
+
+def _check_no_other_kind(path: str | Path, data: dict) -> None:
+    """Refuse a config read as a synthetic comparison (no `task.type` of a compare kind) whose keys belong to a
+    compare kind's config: its `task.type` was left out or misspelt, and that is what to say."""
+    own = set(CompareConfig.model_fields)
+    for task_type, kind in COMPARE_KINDS.items():
+        theirs = sorted(set(data) & (set(kind.config.model_fields) - own))
+        if theirs:
+            raise ValueError(
+                f"{path}: `task.type` is {_task_type(data)}, so this is read as a synthetic-task config, but its keys "
+                f"{theirs} are those of a `task: {{type: {task_type}}}` config; set `task.type`"
+            )
+
+
+def _task_type(data: dict) -> str:
+    task = data.get("task")
+    if not isinstance(task, dict):
+        return "missing (no `task` mapping)"
+    return "missing" if "type" not in task else repr(task["type"])
 
 
 def fingerprint(*parts) -> str:
