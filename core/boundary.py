@@ -18,9 +18,16 @@ can be reached; a hub id's files are checked by the library that downloads them.
 
 from __future__ import annotations
 
+import codecs
+import json
 import os
 import struct
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Literal
+
+from mergecompose.core import sources
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)
@@ -30,6 +37,19 @@ _GGUF_HEADER = struct.Struct("<4sIQQ")
 # and the least a metadata entry takes (key length uint64, value type uint32).
 _GGUF_MIN_TENSOR_INFO = 24
 _GGUF_MIN_METADATA = 12
+
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_BIN = "pytorch_model.bin"
+TORCH_BIN_INDEX = "pytorch_model.bin.index.json"
+ADAPTER_SAFETENSORS = "adapter_model.safetensors"
+ADAPTER_BIN = "adapter_model.bin"
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# What AutoTokenizer can build a tokenizer from (a fast tokenizer's JSON, or a slow tokenizer's vocabulary).
+TOKENIZER_FILES = (*TOKENIZER_JSON_FILES[:2], "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+_SAFETENSORS_EXPECTED = "a complete safetensors file (an 8-byte header length, a JSON header, the data it describes)"
+_FileCheck = Callable[[Path, str], object]  # (file, argument): raises InputFileError
+_TORCH_EXPECTED = "a torch.save zip archive (torch 1.6 or later) whose central directory opens"
 
 
 class InputFileError(ValueError):
@@ -42,6 +62,128 @@ class InputFileError(ValueError):
         self.expected = expected
         message = f"`{argument}` {self.path!r}: {problem}"
         super().__init__(f"{message}; expected {expected}" if expected else message)
+
+
+def check_checkpoint(
+    source: str | os.PathLike[str],
+    argument: str,
+    adapter_hint: str = "pass it as an adapter (an expert adapter) on its base",
+) -> str:
+    """`source` as a string, after checking that it is a full checkpoint (a checked local folder, or a hub id).
+
+    A local folder needs config.json (a JSON object with `model_type`) and weights: model.safetensors,
+    a sharded model.safetensors.index.json, pytorch_model.bin or its sharded index, in the order
+    transformers prefers them; each is checked (`check_safetensors_file`, a torch zip archive). The
+    tokenizer's JSON files that are present must parse. A hub id goes through
+    `mergecompose.core.sources`; a peft adapter folder is refused with `adapter_hint`.
+    """
+    text = sources.check_model_source(source, argument, adapter_hint=adapter_hint)
+    if sources.is_local(text):
+        _check_checkpoint_folder(Path(text).expanduser(), argument)
+    return text
+
+
+def check_adapter(source: str | os.PathLike[str], argument: str) -> str:
+    """`source` as a string, after checking that it is a peft adapter (a checked local folder, or a hub id).
+
+    A local folder needs adapter_config.json (a JSON object with `peft_type`) and
+    adapter_model.safetensors or adapter_model.bin, checked as in `check_checkpoint`.
+    """
+    text = sources.check_adapter_source(source, argument)
+    if sources.is_local(text):
+        _check_adapter_folder(Path(text).expanduser(), argument)
+    return text
+
+
+def check_model_or_adapter(source: str | os.PathLike[str], argument: str) -> Literal["checkpoint", "adapter"]:
+    """Whether `source` is a full checkpoint or a peft adapter (`sources.source_kind`), after checking its files."""
+    kind = sources.source_kind(source, argument)
+    text = os.fspath(source)
+    if sources.is_local(text):
+        folder = Path(text).expanduser()
+        _check_adapter_folder(folder, argument) if kind == "adapter" else _check_checkpoint_folder(folder, argument)
+    return kind
+
+
+def check_tokenizer(source: str | os.PathLike[str], argument: str) -> str:
+    """`source` as a string, after checking that it is a tokenizer: a local folder or a hub id.
+
+    A local folder needs one of `TOKENIZER_FILES`; the JSON ones that are present must parse.
+    """
+    text = sources.check_tokenizer_source(source, argument)
+    if sources.is_local(text):
+        folder = Path(text).expanduser()
+        if not any((folder / name).exists() for name in TOKENIZER_FILES):
+            raise InputFileError(
+                argument,
+                text,
+                f"has no tokenizer ({sources.folder_contents(folder)})",
+                f"a folder with {' or '.join(TOKENIZER_FILES)}",
+            )
+        _check_tokenizer_files(folder, argument)
+    return text
+
+
+def check_safetensors_file(path: str | os.PathLike[str], argument: str) -> Path:
+    """`path` as a Path, after checking that its header parses and its size is exactly what the header declares."""
+    check_safetensors_header(path, argument)
+    return Path(os.fspath(path)).expanduser()
+
+
+def check_safetensors_header(path: str | os.PathLike[str], argument: str) -> dict[str, Any]:
+    """The header of the safetensors file `path` (tensor name -> dtype, shape, data_offsets), after checking the file.
+
+    Raises InputFileError for an unreadable, empty or truncated file, or a header that does not parse.
+    """
+    file = _readable_file(path, argument, _SAFETENSORS_EXPECTED)
+    header, problem = _safetensors_header(file)
+    if problem is not None:
+        raise InputFileError(argument, file, problem, _SAFETENSORS_EXPECTED)
+    return header
+
+
+def safetensors_problem(path: str | os.PathLike[str]) -> str | None:
+    """What is wrong with the size of the safetensors file `path` against its own header (a truncated one), or None.
+
+    The message starts with the path. `check_safetensors_file` is the same check raising InputFileError.
+    """
+    _, problem = _safetensors_header(Path(path))
+    return None if problem is None else f"{path} {problem}"
+
+
+def check_json_file(path: str | os.PathLike[str], argument: str) -> dict[str, Any]:
+    """The JSON object in the file `path`, after checking that it is a readable UTF-8 file holding one."""
+    expected = "a UTF-8 file holding one JSON object"
+    file = check_text_file(path, argument)
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise InputFileError(
+            argument, file, f"is not valid JSON ({error.msg} at line {error.lineno})", expected
+        ) from None
+    if not isinstance(value, dict):
+        raise InputFileError(argument, file, f"holds a JSON {type(value).__name__}, not an object", expected)
+    return value
+
+
+def check_text_file(path: str | os.PathLike[str], argument: str) -> Path:
+    """`path` as a Path, after checking that it is a readable, non-empty regular file of UTF-8 text."""
+    expected = "a readable UTF-8 text file"
+    file = _readable_file(path, argument, expected)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    lines = 1
+    with open(file, "rb") as handle:
+        while True:
+            chunk = handle.read(1 << 20)  # in pieces: a data file may be large
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                line = lines + chunk.count(b"\n", 0, max(error.start, 0))
+                problem = f"is not UTF-8 text: byte {chunk[error.start : error.start + 1]!r} on line {line}"
+                raise InputFileError(argument, file, problem, expected) from None
+            if not chunk:
+                return file
+            lines += chunk.count(b"\n")
 
 
 def check_gguf_file(path: str | os.PathLike[str], argument: str) -> Path:
@@ -83,7 +225,7 @@ def _readable_file(path: object, argument: str, expected: str) -> Path:
         raise ValueError(f"`{argument}` must be a path to {expected} (a non-empty string), got {path!r}")
     file = Path(os.fspath(path)).expanduser()
     if not file.exists():
-        raise InputFileError(argument, file, "no such file", expected)
+        raise InputFileError(argument, file, "does not exist", expected)
     if file.is_dir():
         raise InputFileError(argument, file, "is a folder, not a file", expected)
     if not file.is_file():
@@ -98,3 +240,136 @@ def _readable_file(path: object, argument: str, expected: str) -> Path:
     if file.stat().st_size == 0:
         raise InputFileError(argument, file, "is empty", expected)
     return file
+
+
+# ---- folders -----------------------------------------------------------------------------------
+
+
+def _check_checkpoint_folder(folder: Path, argument: str) -> None:
+    _check_config(folder / sources.CONFIG, "model_type", argument, "a transformers config.json")
+    weights: dict[str, _FileCheck] = {
+        SAFETENSORS: check_safetensors_file,
+        SAFETENSORS_INDEX: check_sharded_index,
+        TORCH_BIN: _check_torch_archive,
+        TORCH_BIN_INDEX: check_sharded_index,
+    }
+    _check_weights(folder, argument, weights, "weights", "a checkpoint")
+    _check_tokenizer_files(folder, argument)
+
+
+def _check_adapter_folder(folder: Path, argument: str) -> None:
+    _check_config(folder / sources.ADAPTER_CONFIG, "peft_type", argument, "a peft adapter_config.json")
+    weights: dict[str, _FileCheck] = {ADAPTER_SAFETENSORS: check_safetensors_file, ADAPTER_BIN: _check_torch_archive}
+    _check_weights(folder, argument, weights, "adapter weights", "a peft adapter folder")
+
+
+def _check_config(file: Path, key: str, argument: str, what: str) -> None:
+    """`file` is a JSON object with a non-empty string `key` (config.json's `model_type`, peft's `peft_type`)."""
+    config = check_json_file(file, argument)
+    if not isinstance(config.get(key), str) or not config[key]:
+        keys = ", ".join(sorted(config)[:8]) or "none"
+        raise InputFileError(argument, file, f"has no `{key}` (keys: {keys})", f"{what} with `{key}`")
+
+
+def _check_weights(folder: Path, argument: str, checks: dict[str, _FileCheck], weights: str, what: str) -> None:
+    """Check the first of `checks`' files that `folder` has (the order in which the library looks for them)."""
+    present = next((name for name in checks if (folder / name).exists()), None)
+    if present is None:
+        names = " or ".join(checks)
+        raise InputFileError(
+            argument, folder, f"has no {weights} ({sources.folder_contents(folder)})", f"{what} with {names}"
+        )
+    checks[present](folder / present, argument)
+
+
+def _check_tokenizer_files(folder: Path, argument: str) -> None:
+    for name in TOKENIZER_JSON_FILES:
+        if (folder / name).exists():
+            check_json_file(folder / name, argument)
+
+
+def check_sharded_index(index_path: Path, argument: str) -> None:
+    """Check a sharded checkpoint's index (model.safetensors.index.json, pytorch_model.bin.index.json).
+
+    Its `weight_map` names shard files beside it, each of which exists and checks out; for safetensors
+    shards, every tensor the map assigns to a shard is in that shard's header.
+    """
+    expected = "an index whose `weight_map` maps each tensor name to a shard file beside it"
+    index = check_json_file(index_path, argument)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputFileError(argument, index_path, "has no `weight_map` object", expected)
+    shards: dict[str, list[str]] = {}
+    for tensor, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard or Path(shard).name != shard:
+            raise InputFileError(argument, index_path, f"maps {tensor!r} to {shard!r}, not a file name", expected)
+        shards.setdefault(shard, []).append(tensor)
+    for shard, tensors in sorted(shards.items()):
+        file = index_path.parent / shard
+        if not file.exists():
+            raise InputFileError(
+                argument, file, f"is missing: {index_path.name} maps {len(tensors)} tensors to it", expected
+            )
+        if shard.endswith(".safetensors"):
+            missing = sorted(set(tensors) - set(check_safetensors_header(file, argument)) - {"__metadata__"})
+            if missing:
+                raise InputFileError(
+                    argument,
+                    file,
+                    f"lacks {len(missing)} tensors that {index_path.name} maps to it (first: {missing[0]!r})",
+                    expected,
+                )
+        else:
+            _check_torch_archive(file, argument)
+
+
+def _check_torch_archive(path: Path, argument: str) -> None:
+    """A `torch.save` file checked without unpickling: a zip archive whose central directory opens and whose
+    entries lie within the file."""
+    file = _readable_file(path, argument, _TORCH_EXPECTED)
+    size = file.stat().st_size
+    try:
+        with zipfile.ZipFile(file) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as error:
+        raise InputFileError(argument, file, f"is not a readable zip archive ({error})", _TORCH_EXPECTED) from None
+    if not any(entry.filename.endswith("data.pkl") for entry in entries):
+        raise InputFileError(
+            argument, file, "is a zip archive without data.pkl, not a torch.save file", _TORCH_EXPECTED
+        )
+    beyond = next((entry for entry in entries if entry.header_offset + entry.compress_size > size), None)
+    if beyond is not None:
+        raise InputFileError(
+            argument, file, f"is truncated: {beyond.filename} ends past its {size} bytes", _TORCH_EXPECTED
+        )
+
+
+def _safetensors_header(file: Path) -> tuple[dict[str, Any], str | None]:
+    """The header of the safetensors file `file` and what is wrong with the file against it (None if nothing).
+
+    The format: 8 bytes giving the header's length N (little-endian), N bytes of JSON giving each
+    tensor's `data_offsets` into the data that follows, which must end where the file ends.
+    Reads the header only.
+    """
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else size
+        if 8 + length > size:
+            return {}, f"is truncated: {size} bytes, shorter than its own header"
+        try:
+            header = json.loads(handle.read(length))
+            ends = [_data_end(record) for key, record in header.items() if key != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return {}, "has an unreadable safetensors header"
+    declared = 8 + length + max(ends, default=0)
+    if declared != size:
+        return header, f"has {size} bytes, its header describes {declared} (truncated or changed)"
+    return header, None
+
+
+def _data_end(record: dict[str, Any]) -> int:
+    begin, end = (int(offset) for offset in record["data_offsets"])
+    if not 0 <= begin <= end:
+        raise ValueError(f"data_offsets {begin}, {end}")
+    return end

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from mergecompose.core.boundary import safetensors_problem  # noqa: F401 - its old home; experiments import it
 from mergecompose.core.locks import pid_running
 
 if TYPE_CHECKING:
@@ -194,31 +195,6 @@ def manifest_problem(folder: str | os.PathLike) -> str | None:
     return None
 
 
-def safetensors_problem(path: str | os.PathLike) -> str | None:
-    """What is wrong with the size of the safetensors file `path` against its own header (a truncated one), or None.
-
-    The format: 8 bytes giving the header's length N (little-endian), N bytes of JSON giving each
-    tensor's `data_offsets` into the data that follows. Reads the header only.
-    """
-    path = Path(path)
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else size
-        if 8 + length > size:
-            return f"{path} is truncated: {size} bytes, shorter than its own header"
-        try:
-            header = json.loads(handle.read(length))
-            end = max(
-                (int(record["data_offsets"][1]) for key, record in header.items() if key != "__metadata__"), default=0
-            )
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-            return f"{path} has an unreadable safetensors header"
-    if 8 + length + end != size:
-        return f"{path} has {size} bytes, its header describes {8 + length + end} (truncated or changed)"
-    return None
-
-
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` atomically (a temporary file beside it, then a rename)."""
     atomic_write(path, lambda temporary: temporary.write_text(text))
@@ -263,6 +239,8 @@ def read_utf8(path: str | os.PathLike, what: str = "file") -> str:
 def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
     """The mapping in the YAML file `path` (`yaml.safe_load`); errors name `what`, the file and what was found."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} file {str(path)!r} is a folder; give the path of a YAML file")
     if not path.is_file():
         raise ValueError(f"{what} file {str(path)!r} does not exist")
     try:
@@ -294,9 +272,10 @@ def validation_message(error: ValidationError) -> str:
 
 
 def load_yaml_config(path: str | os.PathLike, model: type[ModelT], what: str = "config") -> ModelT:
-    """Read `path` with `read_yaml_mapping` and validate it as `model`; the error names the file and each field."""
+    """Read `path` with `read_yaml_mapping` and validate it as `model`; the error names the file and each field.
+    Validators find the file's folder as `info.context["config_dir"]` (to read relative paths from there)."""
     data = read_yaml_mapping(path, what)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context={"config_dir": Path(path).parent})
     except ValidationError as error:
         raise ValueError(f"{path}: invalid {what}: {validation_message(error)}") from None

@@ -9,8 +9,11 @@ checkpoint gets "should have a `model_type` key". Every loader asks here first:
   missing local value is reported at once: "`base` './models/x': no such folder";
 * a local folder is a **checkpoint** when it has config.json, an **adapter** when it has
   adapter_config.json (peft); anything else is named for what it lacks;
-* a **hub id** is left to transformers and peft, except offline (`HF_HUB_OFFLINE=1`, read when
-  asked, not at import): then it must already be in the hub cache, or it is refused at once.
+* a **hub id** is left to transformers and peft once it is known to be there: offline
+  (`HF_HUB_OFFLINE=1`, read when asked, not at import) it must already be in the hub cache; online it
+  must be in the cache or answer one short request to the hub (`HF_ENDPOINT`, 2 s, no retries), so
+  that `missing_dir/base` (a mistyped local path of the form owner/name) or an unreachable hub is
+  refused at once with the reason, not after a minute of the hub client's retries.
 
 Every error is a ValueError that names the argument and the value.
 """
@@ -18,12 +21,14 @@ Every error is a ValueError that names the argument and the value.
 from __future__ import annotations
 
 import os
+from http import HTTPStatus
 from pathlib import Path
 from typing import Literal
 
 CONFIG = "config.json"
 ADAPTER_CONFIG = "adapter_config.json"
 _TRUE = {"1", "on", "yes", "true"}
+HUB_TIMEOUT_SECONDS = 2.0
 
 
 def is_local(source: str | os.PathLike) -> bool:
@@ -58,14 +63,16 @@ def source_kind(source: str | os.PathLike, argument: str) -> Literal["checkpoint
             return "checkpoint"
         raise ValueError(
             f"{_named(argument, text)} is neither a model folder nor a peft adapter folder: "
-            f"it has no {CONFIG} and no {ADAPTER_CONFIG} ({_contents(folder)})"
+            f"it has no {CONFIG} and no {ADAPTER_CONFIG} ({folder_contents(folder)})"
         )
     check_hub_id(text, argument)
+    if _cached(text, ADAPTER_CONFIG):
+        return "adapter"
     if hub_offline():
-        if _cached(text, ADAPTER_CONFIG):
-            return "adapter"
         _check_cached(text, argument, CONFIG)
         return "checkpoint"
+    if not _cached(text, CONFIG):
+        check_hub_reachable(text, argument)
     return "adapter" if _hub_has_adapter(text) else "checkpoint"
 
 
@@ -98,13 +105,15 @@ def _check_source(source: str | os.PathLike, argument: str, wanted: str, other: 
         check_hub_id(text, argument)
         if hub_offline():
             _check_cached(text, argument, wanted)
+        elif not _cached(text, wanted):
+            check_hub_reachable(text, argument)
         return text
     folder = _local_folder(text, argument)
     if (folder / wanted).is_file():
         return text
     if (folder / other[0]).is_file():
         raise ValueError(f"{_named(argument, text)} {other[1]}")
-    raise ValueError(f"{_named(argument, text)} {neither}: it has no {wanted} ({_contents(folder)})")
+    raise ValueError(f"{_named(argument, text)} {neither}: it has no {wanted} ({folder_contents(folder)})")
 
 
 def check_tokenizer_source(source: str | os.PathLike, argument: str) -> str:
@@ -114,8 +123,11 @@ def check_tokenizer_source(source: str | os.PathLike, argument: str) -> str:
         _local_folder(text, argument)
         return text
     check_hub_id(text, argument)
-    if hub_offline() and not (_cached(text, "tokenizer_config.json") or _cached(text, "tokenizer.json")):
+    if _cached(text, "tokenizer_config.json") or _cached(text, "tokenizer.json"):
+        return text
+    if hub_offline():
         raise ValueError(_offline_message(argument, text))
+    check_hub_reachable(text, argument)
     return text
 
 
@@ -141,7 +153,8 @@ def _local_folder(text: str, argument: str) -> Path:
     return folder
 
 
-def _contents(folder: Path) -> str:
+def folder_contents(folder: Path) -> str:
+    """What `folder` holds, in words (its first six names), for a message that says what a folder lacks."""
     names = sorted(path.name for path in folder.iterdir())
     if not names:
         return "the folder is empty"
@@ -156,6 +169,47 @@ def check_hub_id(text: str, argument: str) -> None:
         validate_repo_id(text)
     except HFValidationError:
         raise ValueError(f"{_named(argument, text)}: no such folder, and not a hub id (owner/name) either") from None
+
+
+def check_hub_reachable(repo_id: str, argument: str) -> None:
+    """Raise a ValueError naming `argument` unless the hub (`HF_ENDPOINT`) answers that model `repo_id` exists.
+
+    One request, `HUB_TIMEOUT_SECONDS` long, no retries; the reason it failed (connection refused,
+    timed out, 404 not found) is in the message. A gated repo exists, so it passes (loading it says
+    whether the token may read it).
+    """
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    try:
+        HfApi(endpoint=endpoint).model_info(repo_id, timeout=HUB_TIMEOUT_SECONDS)
+        return
+    except GatedRepoError:
+        return
+    except RepositoryNotFoundError:
+        reason = f"{endpoint} answered 404 not found"
+    except HfHubHTTPError as error:
+        status = getattr(error.response, "status_code", None)
+        reason = f"{endpoint} answered {_status(status)}" if status else f"{endpoint}: {_first_line(error)}"
+    except Exception as error:  # noqa: BLE001 - the transport's errors (refused, timed out, DNS) differ by client
+        timed_out = "timeout" in type(error).__name__.lower() or "timed out" in str(error).lower()
+        detail = f"timed out after {HUB_TIMEOUT_SECONDS:g} s" if timed_out else _first_line(error)
+        reason = f"{endpoint}: {detail}"
+    raise ValueError(f"{_named(argument, repo_id)}: no such local folder, and not reachable as a hub id ({reason})")
+
+
+def _status(code: int) -> str:
+    """`404 not found`: an HTTP status with its reason phrase."""
+    try:
+        return f"{code} {HTTPStatus(code).phrase.lower()}"
+    except ValueError:
+        return f"HTTP {code}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
 
 
 def _cached(repo_id: str, filename: str) -> bool:
