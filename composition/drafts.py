@@ -5,7 +5,8 @@
 The natural draft for a composition: one forward pass instead of k+1, and close to the composition
 where its experts' task vectors barely interact (README, "Decoding with a draft: when to use one").
 Full experts are merged by `mergecompose.merging.merge`; LoRA experts add peft's λ_i ΔW_i to a copy
-of the base. Tensors the merge leaves unchanged are shared with the base, never copied.
+of the base. Tensors the merge leaves unchanged are shared with the base, never copied. A draft whose
+merged weights come out NaN or inf (a huge `draft_lambda` overflows the dtype) is refused, as a merge is.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import PreTrainedModel
 
 from mergecompose.core.adapters import load_adapters_on_base
 from mergecompose.merging import merge
+from mergecompose.merging.state_dicts import check_finite
 
 
 def merged_full_draft(
@@ -29,7 +31,8 @@ def merged_full_draft(
     Each floating tensor is `merge("task_arithmetic", ..., weights=λ, lam=1)`'s, computed one tensor at a
     time so that only one tensor's float32 copies are alive at once. Integer buffers are the base's own;
     tensors tied in the base (one storage under two names) are merged once and stay shared. Raises a
-    ValueError naming the expert and the tensor if the experts' names or shapes differ from the base's.
+    ValueError naming the expert and the tensor if the experts' names or shapes differ from the base's,
+    and one naming `draft_lambda` and the tensor if a merged tensor is not finite.
     """
     base_state = base_model.state_dict()
     expert_states = [expert.state_dict() for expert in expert_models]
@@ -44,9 +47,11 @@ def merged_full_draft(
         key = (base.data_ptr(), tuple(base.shape), base.dtype)
         if key not in done:
             experts = [{name: state[name].to(base.device)} for state in expert_states]
+            # The merged tensor is checked here, with an error that names `draft_lambda`, not merge's `weights`.
             done[key] = merge(
                 "task_arithmetic", {name: base}, experts, weights=weights, lam=1.0, progress=False, allow_nonfinite=True
             )[name]
+            _check_finite_draft(name, done[key], weights)
         merged[name] = done[key]
     return model_with_weights(base_model, merged)
 
@@ -59,7 +64,8 @@ def merged_lora_draft(
     ΔW_i is peft's `LoraLayer.get_delta_weight` (its scaling, rsLoRA and fan-in-fan-out layouts).
     `base_model` may carry the composition's LoRA layers (peft) or its stacked forwards: only its
     plain weights are read (`*.base_layer.*` renamed, `lora_*` dropped). Tensors the adapters do not
-    change are shared with it; adapted weights are new tensors.
+    change are shared with it; adapted weights are new tensors. Raises a ValueError naming `draft_lambda`
+    and the tensor if an adapted weight is not finite.
     """
     plain = dict(_plain_named(base_model.state_dict().items()))
     draft = model_with_weights(base_model, plain)
@@ -78,6 +84,7 @@ def merged_lora_draft(
                 # peft defines get_delta_weight on each LoRA layer class (Linear, Embedding, ...), not on LoraLayer.
                 delta = module.get_delta_weight(name)  # type: ignore[attr-defined]
                 weight = weight + scales[name] * delta.to(weight.dtype)
+            _check_finite_draft(f"{path}.weight", weight, lambdas)
             layer.weight = torch.nn.Parameter(weight, requires_grad=False)  # a new tensor: the base's stays as it was
     return peft_model.unload().eval()
 
@@ -121,6 +128,17 @@ def _check_like_base(
                     f"draft='merged' needs experts of the base's shapes; `expert_models[{index}]`'s `{name}` has "
                     f"shape {tuple(state[name].shape)}, the base's {tuple(base.shape)}"
                 )
+
+
+def _check_finite_draft(name: str, tensor: torch.Tensor, lambdas: Sequence[float]) -> None:
+    """Refuse a merged draft tensor holding NaN or inf, naming `draft_lambda` (the λ_i of the merge)."""
+    check_finite(
+        name,
+        tensor,
+        "the merged draft (draft='merged')",
+        hint=f"with `draft_lambda` {[float(x) for x in lambdas]!r} (λ_i, by default the composition's weights), "
+        "θ_b + Σ_i λ_i (θ_i − θ_b) overflows its dtype: give a smaller `draft_lambda` (or experts without NaN or inf)",
+    )
 
 
 def _plain_named(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
