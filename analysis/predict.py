@@ -12,31 +12,61 @@ above ε (none otherwise).
   unsure the composition is of its own tokens.
 * `unlabelled_diagnostics`: every `measure_overlap` statistic on the rollouts (both centres),
   the above, and the parameter-space measures, as one flat `{name: float}`.
+* `diagnostic_names`: those names, known before anything is measured, so that a rule naming one the
+  overlap does not measure is refused before any model loads (`check_rule_diagnostics`).
 * `VerdictRule`: thresholds fitted by `mergecompose predict-sweep` on synthetic tasks
   (`mergecompose.experiments.predict`), shipped as `predict_rule.json`; `recommend` applies it and says why.
+  A diagnostic that comes out undefined on the data (None: e.g. the single-active projective error
+  where every position is co-active) does not fail the verdict: see `VerdictRule.verdict`.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+import os
 from collections.abc import Iterable, Mapping
 from importlib import resources
-from pathlib import Path
+from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mergecompose.analysis.diagnostics import expert_activity
 from mergecompose.analysis.measure import batch_tensors, measure_overlap
 from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.composition import ComposedLM, compose_with_remedies
 from mergecompose.composition.rule import check_weights, compose_logprobs
+from mergecompose.core.boundary import check_text_file
+from mergecompose.core.io import validation_message
 
 CENTRES = ("base_weighted_median", "median")
 # The verdict's classes; a system "succeeds" at exact match >= the rule's `success_threshold`.
 VERDICTS = ("either", "compose", "merge", "compose+gate", "neither")
+# The verdict when a diagnostic the rule reads is undefined and the verdicts it allows differ.
+UNDECIDED = "undecided"
 RULE_FILE = "predict_rule.json"
+RULE_PARTS = ("compose", "merge", "remedy")
+
+# The flat names of `flatten_report` and `proxy_owner_statistics`, by where they come from.
+PAIR_STATISTICS = ("mass_overlap", "sign_conflict", "support_jaccard")
+GAP_STATISTICS = (
+    "merge_compose_kl",
+    "merge_compose_kl_p95",
+    "merge_compose_top1_disagreement",
+    "interaction_residual_relative",
+)
+EXPERT_STATISTICS = (
+    "linearization_error_mean",
+    "projective_error",
+    "projective_error_active_max",
+    "expert_kl_mean",
+    "active_fraction_mean",
+    "active_fraction_sum",
+)
+PARAMETER_STATISTICS = ("cosine", "ties_sign_conflict", "trimmed_mask_jaccard")
+PROXY_OWNER_STATISTICS = ("silent_flip_rate", "silent_shift_kl", "low_confidence_rate", "composed_entropy")
 
 
 @torch.no_grad()
@@ -56,7 +86,7 @@ def proxy_owner_statistics(
         `low_confidence_rate`: the composition's top probability is below `confident`;
         `composed_entropy`: the composition's entropy, nats.
     """
-    totals = dict.fromkeys(("silent_flip_rate", "silent_shift_kl", "low_confidence_rate", "composed_entropy"), 0.0)
+    totals = dict.fromkeys(PROXY_OWNER_STATISTICS, 0.0)
     count = 0
     weights = torch.tensor(
         check_weights(composed.weights, composed.num_experts) or [1.0] * composed.num_experts
@@ -122,7 +152,7 @@ def flatten_report(reports: Mapping[str, dict]) -> dict[str, float | None]:
         flat[f"coactivation_rate@{epsilon}"] = rate
     for centre, suffix in zip(CENTRES, ("", "_median")):
         report = reports[centre]
-        for key in ("mass_overlap", "sign_conflict", "support_jaccard"):
+        for key in PAIR_STATISTICS:
             values = _pairs(report, key)
             flat[f"{key}_mean{suffix}"] = _mean(values)
             flat[f"{key}_max{suffix}"] = max(values, default=None)
@@ -146,11 +176,66 @@ def flatten_report(reports: Mapping[str, dict]) -> dict[str, float | None]:
     flat["expert_kl_mean"] = _mean([e["kl_mean"] for e in experts])
     flat["active_fraction_mean"] = _mean([e["active_fraction"] for e in experts])
     flat["active_fraction_sum"] = sum(e["active_fraction"] for e in experts)
-    for key in ("cosine", "ties_sign_conflict", "trimmed_mask_jaccard"):
+    for key in PARAMETER_STATISTICS:
         values = _parameter(main, key)
         flat[f"parameter_{key}_max"] = max(values, default=None)
         flat[f"parameter_{key}_mean"] = _mean(values)
     return flat
+
+
+def is_undefined(value: object) -> bool:
+    """Whether a diagnostic has no value: None (nothing to average over) or NaN."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def diagnostic_names(settings: OverlapSettings | None = None) -> list[str]:
+    """Every name `unlabelled_diagnostics` returns with `settings`, known before anything is measured.
+
+    The co-activation rates are measured at `settings.epsilons` only (`coactivation_rate@0.1`, ...).
+    """
+    settings = settings or OverlapSettings()
+    names = ["num_experts", *(f"coactivation_rate@{epsilon}" for epsilon in settings.epsilons)]
+    for suffix in ("", "_median"):
+        names += [f"{key}_{kind}{suffix}" for key in PAIR_STATISTICS for kind in ("mean", "max")]
+        names.append(f"mass_overlap_upper_max{suffix}")
+    names += [*GAP_STATISTICS, *EXPERT_STATISTICS]
+    names += [f"parameter_{key}_{kind}" for key in PARAMETER_STATISTICS for kind in ("max", "mean")]
+    return names + list(PROXY_OWNER_STATISTICS)
+
+
+def undefined_reasons(
+    diagnostics: Mapping[str, float | None], reports: Mapping[str, dict], settings: OverlapSettings | None = None
+) -> dict[str, str]:
+    """Why each diagnostic that is undefined in `diagnostics` (`is_undefined`) has no value: name -> reason.
+
+    `reports` are `unlabelled_diagnostics`' summaries by centre; the reasons name what the data lacked.
+    """
+    settings = settings or OverlapSettings()
+    main = reports[CENTRES[0]]
+    return {name: _undefined_reason(name, main, settings) for name, value in diagnostics.items() if is_undefined(value)}
+
+
+def _undefined_reason(name: str, report: dict, settings: OverlapSettings) -> str:
+    experts = len(report["experts"])
+    if experts < 2 and name.startswith((*PAIR_STATISTICS, "mass_overlap_upper", "parameter_")):
+        return f"a statistic of expert pairs, and there is only {experts} expert"
+    if name == "projective_error":
+        return (
+            f"no measured position has at most one active expert at ε = {settings.epsilon} (all "
+            f"{report['num_positions']} positions are co-active), so the single-active projective error "
+            "KL(p_active ‖ q) has no position to average over"
+        )
+    if name == "projective_error_active_max":
+        return f"no expert is active (KL(p_i ‖ p_b) > ε = {settings.epsilon}) at any measured position"
+    if name.startswith("mass_overlap_upper"):
+        return "the bounds exist only on the top-k union of tokens, not with `full_vocabulary`"
+    if name in GAP_STATISTICS[:3]:
+        return "no merged model was measured"
+    if name in ("interaction_residual_relative", "linearization_error_mean"):
+        return "it needs each expert's θ_b + λτ_i model, built only at λ ≠ 1 (and a composed logit change ≠ 0)"
+    if name.startswith("parameter_"):
+        return "no task vectors were measured (the parameter-space measures are off)"
+    return "the measurement gave no value"
 
 
 def unlabelled_diagnostics(
@@ -192,24 +277,41 @@ def unlabelled_diagnostics(
 class Threshold(BaseModel):
     """`feature >= threshold` (direction "above") or `feature < threshold` ("below") predicts success."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     feature: str | None = None  # None: a constant prediction, `constant`
     threshold: float | None = None
-    direction: str = "above"
+    direction: Literal["above", "below"] = "above"
     constant: bool | None = None
     training_accuracy: float | None = None
 
-    def predict(self, diagnostics: Mapping[str, float | None]) -> bool:
+    @model_validator(mode="after")
+    def _complete(self) -> Threshold:
+        if self.feature is not None and self.threshold is None:
+            raise ValueError(f"`threshold` is needed with `feature` {self.feature!r}, got none")
+        if self.feature is None and self.constant is None:
+            raise ValueError("a threshold gives `feature` and `threshold`, or `constant` (true or false); got neither")
+        return self
+
+    def outcome(self, diagnostics: Mapping[str, float | None]) -> bool | None:
+        """The prediction, or None where the diagnostic it reads is undefined here (None or NaN)."""
         if self.feature is None:
             return bool(self.constant)
         value = diagnostics.get(self.feature)
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            raise ValueError(
-                f"the rule needs diagnostic {self.feature!r}, which these diagnostics lack (got {value!r})"
-            )
+        if is_undefined(value):
+            return None
         above = value >= self.threshold
         return above if self.direction == "above" else not above
+
+    def predict(self, diagnostics: Mapping[str, float | None]) -> bool:
+        """The prediction; a ValueError where the diagnostic it reads is undefined (see `outcome`)."""
+        outcome = self.outcome(diagnostics)
+        if outcome is None:
+            raise ValueError(
+                f"the rule needs diagnostic {self.feature!r}, which these diagnostics lack "
+                f"(got {diagnostics.get(self.feature)!r})"
+            )
+        return outcome
 
     def describe(self, diagnostics: Mapping[str, float | None] | None = None) -> str:
         if self.feature is None:
@@ -217,8 +319,11 @@ class Threshold(BaseModel):
         sign = "≥" if self.direction == "above" else "<"
         text = f"succeeds when {self.feature} {sign} {self.threshold:.4g}"
         if diagnostics is not None:
-            verdict = "yes" if self.predict(diagnostics) else "no"
-            text += f"; here {self.feature} = {diagnostics[self.feature]:.4g} → {verdict}"
+            outcome = self.outcome(diagnostics)
+            if outcome is None:
+                text += f"; here {self.feature} is undefined → unknown"
+            else:
+                text += f"; here {self.feature} = {diagnostics[self.feature]:.4g} → {'yes' if outcome else 'no'}"
         return text
 
 
@@ -227,9 +332,16 @@ class VerdictRule(BaseModel):
 
     The verdict: `either` when composition and merge both succeed; `compose` / `merge` when only
     one does; `compose+gate` when neither does but the remedy does; else `neither`.
+
+    A diagnostic that is undefined on the data (None, e.g. the single-active projective error
+    where no position has at most one active expert) leaves its threshold's answer unknown. The
+    verdict is then the one every answer it could have gives (`possible_verdicts`), so an unknown
+    remedy does not matter once composition or the merge succeeds; where they differ the verdict
+    is `UNDECIDED` ("undecided") and `recommend` lists the verdicts still possible and why the
+    diagnostic is undefined. It never guesses a value for the missing diagnostic.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     compose: Threshold
     merge: Threshold
@@ -239,10 +351,19 @@ class VerdictRule(BaseModel):
     n_settings: int | None = None
     sweep: dict = Field(default_factory=dict)  # which sweep fitted it: name, version, config hash
 
+    def features(self) -> dict[str, str]:
+        """The diagnostic each part reads: part ("compose", "merge", "remedy") -> name (constant parts left out)."""
+        return {part: getattr(self, part).feature for part in RULE_PARTS if getattr(self, part).feature is not None}
+
+    def possible_verdicts(self, diagnostics: Mapping[str, float | None]) -> list[str]:
+        """The verdicts these diagnostics allow: one, or several where a diagnostic the rule reads is undefined."""
+        compose, merge, remedy = (getattr(self, part).outcome(diagnostics) for part in RULE_PARTS)
+        return possible_verdicts(compose, merge, remedy)
+
     def verdict(self, diagnostics: Mapping[str, float | None]) -> str:
-        return combine_verdict(
-            self.compose.predict(diagnostics), self.merge.predict(diagnostics), self.remedy.predict(diagnostics)
-        )
+        """One of `VERDICTS`, or `UNDECIDED` where an undefined diagnostic leaves more than one possible."""
+        possible = self.possible_verdicts(diagnostics)
+        return possible[0] if len(possible) == 1 else UNDECIDED
 
 
 def combine_verdict(compose: bool, merge: bool, remedy: bool) -> str:
@@ -256,20 +377,84 @@ def combine_verdict(compose: bool, merge: bool, remedy: bool) -> str:
     return "compose+gate" if remedy else "neither"
 
 
-def load_rule(path: str | Path | None = None) -> VerdictRule:
-    """The rule at `path`, or the one shipped with the package (`analysis/predict_rule.json`)."""
+def possible_verdicts(compose: bool | None, merge: bool | None, remedy: bool | None) -> list[str]:
+    """`combine_verdict` over every value an unknown (None) answer could take: the verdicts still possible,
+    in the order of `VERDICTS`."""
+    answers = [(True, False) if value is None else (value,) for value in (compose, merge, remedy)]
+    found = {combine_verdict(c, m, r) for c in answers[0] for m in answers[1] for r in answers[2]}
+    return [verdict for verdict in VERDICTS if verdict in found]
+
+
+def load_rule(path: str | os.PathLike | None = None) -> VerdictRule:
+    """The rule at `path`, or the one shipped with the package (`analysis/predict_rule.json`).
+
+    A file that is not UTF-8, not JSON or not a rule is a ValueError naming the file and what was expected."""
+    expected = (
+        "a predict_rule.json as `mergecompose predict-sweep` writes it (a JSON object with compose, merge, remedy)"
+    )
     if path is None:
-        text = resources.files("analysis").joinpath(RULE_FILE).read_text(encoding="utf-8")
+        where = RULE_FILE
+        text = resources.files("mergecompose.analysis").joinpath(RULE_FILE).read_text(encoding="utf-8")
     else:
-        text = Path(path).read_text(encoding="utf-8")
-    return VerdictRule.model_validate(json.loads(text))
+        where, text = str(path), check_text_file(path, "rule").read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"`rule` file {where!r} is not JSON ({error.msg} at line {error.lineno} column {error.colno}); "
+            f"expected {expected}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"`rule` file {where!r} holds a JSON {type(data).__name__}; expected {expected}")
+    try:
+        return VerdictRule.model_validate(data)
+    except ValidationError as error:
+        raise ValueError(f"`rule` file {where!r} is not a verdict rule: {validation_message(error)}") from None
 
 
-def recommend(rule: VerdictRule, diagnostics: Mapping[str, float | None]) -> dict:
-    """The verdict with its evidence: each threshold, where these diagnostics sit, and the rule's held-out accuracy."""
+def check_rule_diagnostics(rule: VerdictRule, settings: OverlapSettings | None = None, where: str = "`rule`") -> None:
+    """Raise a ValueError unless every diagnostic `rule` reads is one the overlap measures with `settings`.
+
+    Cheap, and meant for before any model loads: `diagnostic_names(settings)` says what will be measured.
+    """
+    settings = settings or OverlapSettings()
+    known = diagnostic_names(settings)
+    for part, feature in rule.features().items():
+        if feature in known:
+            continue
+        if feature.startswith("coactivation_rate@"):
+            raise ValueError(
+                f"{where}: `{part}` reads {feature!r}, but co-activation is measured only at `settings.epsilons` "
+                f"= {settings.epsilons}; add {feature.removeprefix('coactivation_rate@')} to `epsilons`"
+            )
+        close = difflib.get_close_matches(feature, known, n=3)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"{where}: `{part}` reads diagnostic {feature!r}, which the overlap does not measure{hint} "
+            f"The diagnostics: {', '.join(known)}"
+        )
+
+
+def recommend(
+    rule: VerdictRule, diagnostics: Mapping[str, float | None], reasons: Mapping[str, str] | None = None
+) -> dict:
+    """The verdict with its evidence: each threshold, where these diagnostics sit, and the rule's held-out accuracy.
+
+    `reasons` (`undefined_reasons`) say why a diagnostic is undefined; every diagnostic the rule reads
+    that is undefined here is listed under `undefined` with its reason, and `possible_verdicts` gives
+    the verdicts the defined ones allow (`VerdictRule.verdict`).
+    """
+    reasons = reasons or {}
+    undefined = {
+        feature: reasons.get(feature, "no value on these data")
+        for feature in dict.fromkeys(rule.features().values())
+        if is_undefined(diagnostics.get(feature))
+    }
     return {
         "verdict": rule.verdict(diagnostics),
-        "evidence": {name: getattr(rule, name).describe(diagnostics) for name in ("compose", "merge", "remedy")},
+        "possible_verdicts": rule.possible_verdicts(diagnostics),
+        "undefined": undefined,
+        "evidence": {part: getattr(rule, part).describe(diagnostics) for part in RULE_PARTS},
         "heldout_accuracy": rule.heldout_accuracy,
         "n_settings": rule.n_settings,
         "sweep": rule.sweep,

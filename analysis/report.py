@@ -347,8 +347,16 @@ def recommendation_text(recommendation: dict) -> str:
     """`--recommend`'s verdict with its evidence, as lines for the terminal and overlap.md."""
     accuracy = recommendation["heldout_accuracy"]
     sweep = recommendation.get("sweep") or {}
+    verdict = recommendation["verdict"]
+    possible = recommendation.get("possible_verdicts") or [verdict]
+    undefined = recommendation.get("undefined") or {}
+    if len(possible) > 1:
+        verdict += f" (one of {', '.join(possible)}: a diagnostic the rule reads is undefined here)"
+    elif undefined:
+        verdict += " (a diagnostic the rule reads is undefined here; the verdict does not depend on it)"
     lines = [
-        f"Recommendation: {recommendation['verdict']}",
+        f"Recommendation: {verdict}",
+        *(f"  undefined: {name}: {reason}" for name, reason in undefined.items()),
         *(f"  {name}: {text}" for name, text in recommendation["evidence"].items()),
         f"  the rule's accuracy on held-out task families: {format_number(accuracy)} "
         f"over {recommendation['n_settings']} settings "

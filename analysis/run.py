@@ -1,11 +1,14 @@
 """`run_overlap`: load a base, its experts (checkpoints or adapters) and a merge, measure, write the report.
 
 The typed config `OverlapRunConfig` is what `mergecompose overlap` builds from a YAML file
-and/or flags; the resolved config is written next to the results as config.yaml.
+(`read_overlap_yaml`: relative paths in it are read from the YAML's own folder) and/or flags; the
+resolved config is written next to the results as config.yaml. `preflight_overlap` checks everything
+the run needs before any model loads; `run_overlap` calls it first.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -15,13 +18,21 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.analysis.data import encode_records, make_batches, prompt_batches, read_jsonl
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
-from mergecompose.analysis.predict import load_rule, recommend, unlabelled_diagnostics
+from mergecompose.analysis.predict import (
+    RULE_FILE,
+    check_rule_diagnostics,
+    load_rule,
+    recommend,
+    undefined_reasons,
+    unlabelled_diagnostics,
+)
 from mergecompose.analysis.report import write_outputs
 from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.loading import is_adapter_source
+from mergecompose.composition.loading import is_adapter_source, names_from_paths
 from mergecompose.core.adapters import merged_adapter_model
-from mergecompose.core.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
+from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter, check_tokenizer
+from mergecompose.core.io import atomic_output_dir, read_yaml_mapping, refuse_existing, refuse_output_over_inputs
 from mergecompose.core.sources import check_tokenizer_source
 from mergecompose.merging import TaskVector, merge
 
@@ -100,6 +111,81 @@ class OverlapRunConfig(BaseModel):
         return self
 
 
+# The fields of `OverlapRunConfig` that name files or folders: model sources (a hub id stays as it is), and plain paths.
+_SOURCE_FIELDS = ("base", "experts", "merged", "tokenizer")
+_PATH_FIELDS = ("data", "out", "rule")
+
+
+def read_overlap_yaml(path: str | os.PathLike) -> dict:
+    """The mapping of an overlap `--config` YAML, its relative paths resolved against the YAML's own folder.
+
+    `data`, `out` and `rule` are paths; `base`, `experts`, `merged` and `tokenizer` are resolved where they
+    name a local path as seen from that folder (the rule of `mergecompose.core.sources.is_local`), kept as they are
+    where they are hub ids (`owner/name`). Flags given beside `--config` are read from the working directory.
+    """
+    values = read_yaml_mapping(path, "`--config` overlap config")
+    folder = Path(path).parent
+    for name in _PATH_FIELDS:
+        if isinstance(values.get(name), str):
+            values[name] = str(_from_folder(folder, values[name]))
+    for name in _SOURCE_FIELDS:
+        value = values.get(name)
+        if isinstance(value, list):
+            values[name] = [_source_from_folder(folder, item) for item in value]
+        elif isinstance(value, str):
+            values[name] = _source_from_folder(folder, value)
+    return values
+
+
+def _from_folder(folder: Path, value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else folder / path
+
+
+def _source_from_folder(folder: Path, value: object) -> object:
+    """A model source relative to `folder` where it is a local path seen from there; a hub id unchanged."""
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    if path.is_absolute() or value.startswith("~"):
+        return str(path)
+    candidate = folder / path
+    local = candidate.exists() or value.startswith(".") or len(path.parts) > 2
+    if local or (len(path.parts) == 2 and candidate.parent.is_dir()):
+        return str(candidate)
+    return value
+
+
+def preflight_overlap(config: OverlapRunConfig) -> None:
+    """Check everything `run_overlap` needs before its first step; load no model, write nothing.
+
+    The output folder (not over an input, not existing unless `overwrite`); with `recommend`, the rule
+    file (UTF-8 JSON, a `VerdictRule`) and every diagnostic it reads (one the overlap measures with
+    `settings`); the data (a readable UTF-8 JSONL file of `{"text"}` or `{"prompt", "completion"}`
+    records, at least one); `device`; the base, experts, merge and tokenizer through the loading
+    boundary (`mergecompose.core.boundary`: folders, config.json, weight headers); the `rollouts`
+    entries against the experts' names. The numeric settings are checked by `OverlapRunConfig` itself.
+    What needs the tokenized records (their length against the base's context) is checked after the
+    tokenizer loads, still before any measurement.
+    """
+    inputs = [config.base, *config.experts, config.merged, config.data, config.tokenizer, config.rule]
+    refuse_output_over_inputs(config.out, inputs, "`out`")
+    refuse_existing(config.out, config.overwrite)
+    if config.recommend:
+        where = f"`rule` {config.rule!r}" if config.rule else f"the shipped rule ({RULE_FILE})"
+        check_rule_diagnostics(load_rule(config.rule), config.settings, where)
+    read_jsonl(config.data, config.max_records)  # UTF-8, JSON, records with the fields, at least one
+    _device(config.device)
+    check_checkpoint(config.base, "base")
+    for expert in config.experts:
+        check_model_or_adapter(expert, "experts")
+    if config.merged is not None:
+        check_model_or_adapter(config.merged, "merged")
+    if config.tokenizer is not None:
+        check_tokenizer(config.tokenizer, "tokenizer")
+    _rollout_sources(config.rollouts, names_from_paths(config.experts))
+
+
 def _device(choice: str) -> str:
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -146,10 +232,8 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     The output folder is written atomically (a temporary folder next to it, then renamed); an
     existing one is refused unless `config.overwrite`. Returns the overlap.json content.
     """
-    inputs = [config.base, *config.experts, config.merged, config.data, config.tokenizer]
-    refuse_output_over_inputs(config.out, inputs, "`out`")
-    refuse_existing(config.out, config.overwrite)
-    rule = load_rule(config.rule) if config.recommend else None  # a bad rule file fails before any model loads
+    preflight_overlap(config)  # everything the last step needs, before the first model loads
+    rule = load_rule(config.rule) if config.recommend else None
     records = read_jsonl(config.data, config.max_records)  # before any model loads: a bad file fails fast
     # The tokenizer too: loading it is quick, and a bad one should not cost loading every model first.
     tokenizer = (
@@ -240,7 +324,7 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
         ).to_dict()
         results["rollouts"][source] = rollout_report
         if source == "composed" and rule is not None:
-            diagnostics, _ = unlabelled_diagnostics(
+            diagnostics, reports = unlabelled_diagnostics(
                 composed,
                 rolled,
                 merged_model=merged,
@@ -248,7 +332,9 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
                 settings=config.settings,
                 progress=progress,
             )
-            results["recommendation"] = recommend(rule, diagnostics)
+            # An undefined diagnostic degrades the verdict (`VerdictRule.verdict`) and says why; it never fails the run.
+            reasons = undefined_reasons(diagnostics, reports, config.settings)
+            results["recommendation"] = recommend(rule, diagnostics, reasons)
     results["experts_loaded"] = dict(zip(composed.expert_names, config.experts))
 
     resolved = config.model_dump()
