@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from tqdm.auto import tqdm
 
 from mergecompose.analysis.report import format_number
 from mergecompose.analysis.streaming import OverlapSettings
 from mergecompose.composition import ComposedLM
-from mergecompose.core.io import markdown_table, read_yaml_mapping
+from mergecompose.core.io import markdown_table, read_yaml_mapping, validation_message
 from mergecompose.experiments.components import prepare_components
 from mergecompose.experiments.config import (
     CompareConfig,
@@ -72,6 +73,9 @@ class SweepConfig(BaseModel):
     * `success_threshold`: a system succeeds on a pair when its joint accuracy is ≥ this.
     * `compare_overrides`: values merged (recursively) into the compare YAML before it is
       validated, e.g. `{training: {experts: {full: {steps: 25}}}}` for under-trained experts.
+
+    A relative `compare` path is read from the sweep config's own folder (`config_path` of
+    `compare_config`, `preflight_overlap_sweep` and `run_sweep`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -106,13 +110,26 @@ class SweepConfig(BaseModel):
                 raise ValueError(f"pair ({a!r}, {b!r}) repeats one skill; give two skills (they may share a map)")
         return self
 
-    def compare_config(self):
-        """The compare config that trains the base and every skill (validated by `mergecompose.experiments.config`)."""
-        data = deep_merge(read_yaml_mapping(self.compare, "`compare` config"), self.compare_overrides)
+    def compare_config(self, config_path: str | os.PathLike | None = None) -> CompareConfig:
+        """The compare config that trains the base and every skill (validated by `mergecompose.experiments.config`).
+
+        A relative `compare` is read from the folder of `config_path` (the sweep config's file; None: the
+        working directory)."""
+        compare = relative_to_config(self.compare, config_path)
+        data = deep_merge(read_yaml_mapping(compare, "`compare` config"), self.compare_overrides)
         data["task"] = {**data.get("task", {}), "skills": self.skills, "joint": list(self._compatible_pair())}
-        data["training"]["experts"] = {k: v for k, v in data["training"]["experts"].items() if k != "lora"}
+        training = data.get("training")
+        if not isinstance(training, dict) or not isinstance(training.get("experts"), dict):
+            raise ValueError(
+                f"`compare` config {str(compare)!r} (with `compare_overrides`) has no `training.experts` block; "
+                "the sweep trains its base and experts: give `training` in the compare config or the overrides"
+            )
+        training["experts"] = {k: v for k, v in training["experts"].items() if k != "lora"}
         data["merges"] = {}
-        return CompareConfig.model_validate(data)
+        try:
+            return CompareConfig.model_validate(data)
+        except ValidationError as error:
+            raise ValueError(f"`compare` config {str(compare)!r}: {validation_message(error)}") from None
 
     def _compatible_pair(self) -> tuple[str, str]:
         # The compare config's LetterTask needs a non-conflicting joint pair; it only shapes its own splits.
@@ -120,6 +137,29 @@ class SweepConfig(BaseModel):
             if not pair_replacements(self.skills[a], self.skills[b])[1]:
                 return a, b
         raise ValueError("`pairs` must include at least one pair whose maps do not conflict")
+
+
+def relative_to_config(path: str | os.PathLike, config_path: str | os.PathLike | None) -> Path:
+    """`path` named inside the config file `config_path`: a relative one is read from that file's folder."""
+    resolved = Path(path).expanduser()
+    if resolved.is_absolute() or config_path is None:
+        return resolved
+    return Path(config_path).parent / resolved
+
+
+def preflight_overlap_sweep(config: SweepConfig, config_path: str | os.PathLike | None = None) -> None:
+    """Check everything `run_sweep` needs before any training; load no model, write nothing.
+
+    The compare config (read from the folder of `config_path`, the sweep config's file) loads and
+    validates with `compare_overrides`, the sweep's skills and no LoRA; its formulation is seq2seq (the
+    sweep decodes greedily). The pairs, skills, merge grids and overlap settings are checked by
+    `SweepConfig` itself.
+    """
+    compare = config.compare_config(config_path)
+    if compare.task.formulation != "seq2seq":
+        raise ValueError(
+            f"the sweep decodes greedily and needs the seq2seq formulation, got {compare.task.formulation!r}"
+        )
 
 
 def conflict_choices(
@@ -159,18 +199,23 @@ def greedy_pair_outputs(model: ScoredModel, sources, fmt, tokenizer, batch_size)
     return greedy_outputs(model, eval_set, fmt, tokenizer, batch_size)
 
 
-def run_sweep(config: SweepConfig, out_dir: str | os.PathLike, overwrite: bool = False, progress: bool = True) -> dict:
+def run_sweep(
+    config: SweepConfig,
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
+    progress: bool = True,
+    config_path: str | os.PathLike | None = None,
+) -> dict:
     """Train (or load) every expert, measure every pair, write sweep.json, sweep.md, overlap_vs_error.png, config.yaml.
 
-    `out_dir/checkpoints` is kept between runs (reused by hash). Results of another config in
-    `out_dir` are refused unless `overwrite`; a folder that another run is writing is refused at once.
+    `config_path`: the sweep config's file, whose folder a relative `compare` is read from (None: the
+    working directory). `preflight_overlap_sweep` runs first. `out_dir/checkpoints` is kept between runs
+    (reused by hash). Results of another config in `out_dir` are refused unless `overwrite`; a folder
+    that another run is writing is refused at once.
     """
+    preflight_overlap_sweep(config, config_path)
     run = RunFolder(out_dir, SWEEP_FOLDER)
-    compare = config.compare_config()
-    if compare.task.formulation != "seq2seq":
-        raise ValueError(
-            f"the sweep decodes greedily and needs the seq2seq formulation, got {compare.task.formulation!r}"
-        )
+    compare = config.compare_config(config_path)
     config_hash = fingerprint(config.model_dump(mode="json"), compare)
     with run.claim(config_hash, overwrite):
         return _run_sweep_claimed(config, compare, config_hash, run, progress)

@@ -4,10 +4,15 @@ A family is one compare YAML (letters or skills) with overrides; its settings ar
 sets composed from it: letter pairs (`pair: [ab, cd]`) or the first k skills (`k: 3`, optionally
 with `expert_noise`). Every component is trained once, cached by hash under `OUT/checkpoints`,
 and shared by every setting (and family) whose recipe it matches.
+
+A relative `compare:` path is read from the predict config's own folder (`config_path`), so the
+shipped configs/predict.yaml names `letters.yaml`, and the sweep runs from any working directory.
+`preflight_predict` validates every family and setting, each compare config included, before any work.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,6 +23,7 @@ from mergecompose.core.io import read_yaml_mapping, validation_message
 from mergecompose.experiments.config import CompareConfig, MergeGrid, check_some_merge_grids, deep_merge
 from mergecompose.experiments.letters.overlap import pair_replacements
 from mergecompose.experiments.letters.settings import LettersTaskSettings
+from mergecompose.experiments.letters.sweep import relative_to_config
 from mergecompose.experiments.skills.settings import SkillsTaskSettings
 
 # Bump when what a setting's results mean changes: the cached per-setting results are keyed by it.
@@ -103,17 +109,26 @@ class PredictConfig(_Strict):
             )
         return self
 
-    def compare_config(self, family_name: str) -> CompareConfig:
-        """The family's compare config, validated (and each of its settings checked against it)."""
+    def compare_config(self, family_name: str, config_path: str | os.PathLike | None = None) -> CompareConfig:
+        """The family's compare config, validated (and each of its settings checked against it).
+
+        A relative `compare` path is read from the folder of `config_path` (this config's file; None: the
+        working directory)."""
         family = self.families[family_name]
-        data = deep_merge(
-            read_yaml_mapping(family.compare, f"family {family_name!r}: `compare` config"), family.overrides
-        )
+        compare = relative_to_config(family.compare, config_path)
+        data = deep_merge(read_yaml_mapping(compare, f"family {family_name!r}: `compare` config"), family.overrides)
         data["name"] = family_name
         data["merges"], data["remedies"], data["variants"] = {}, {}, {}
-        experts = data["training"]["experts"]
+        training = data.get("training")
+        if not isinstance(training, dict) or not isinstance(training.get("experts"), dict):
+            raise ValueError(
+                f"family {family_name!r}: its compare config {str(compare)!r} (with `overrides`) has no "
+                "`training.experts` block; a predict family trains its base and experts: give `training` "
+                "(base and experts) in the compare config or in the family's `overrides`"
+            )
+        experts = training["experts"]
         if family.experts == "full":
-            data["training"]["experts"] = {k: v for k, v in experts.items() if k not in ("lora", "lora_per_skill")}
+            training["experts"] = {k: v for k, v in experts.items() if k not in ("lora", "lora_per_skill")}
         elif experts.get("lora") is None:
             raise ValueError(
                 f"family {family_name!r}: `experts: lora` needs `training.experts.lora` in its compare config"
@@ -152,15 +167,36 @@ class PredictConfig(_Strict):
             _check_setting(family_name, config, setting)
         return config
 
-    def setting_config(self, family_name: str, setting: SettingSpec) -> CompareConfig:
+    def setting_config(
+        self, family_name: str, setting: SettingSpec, config_path: str | os.PathLike | None = None
+    ) -> CompareConfig:
         """For a skills setting, the family's config with its k and noise (components are shared across k)."""
-        config = self.compare_config(family_name)
+        config = self.compare_config(family_name, config_path)
         if not isinstance(config.task, SkillsTaskSettings):
             return config
         data = config.model_dump(mode="json")
         data["task"]["num_experts"] = setting.k
         data["task"]["expert_noise"] = setting.expert_noise
         return CompareConfig.model_validate(data)
+
+
+def preflight_predict(config: PredictConfig, config_path: str | os.PathLike | None = None) -> None:
+    """Check everything `run_predict_sweep` needs before any training; load no model, write nothing.
+
+    Every family's compare config (read from the folder of `config_path`, the predict config's file)
+    loads and validates with the family's overrides, and every setting's own config (its `k` and
+    `expert_noise`) validates against it; the merge methods, remedies and overlap settings are
+    checked by `PredictConfig` itself.
+    """
+    for family_name, family in config.families.items():
+        config.compare_config(family_name, config_path)
+        for setting in family.settings:
+            try:
+                config.setting_config(family_name, setting, config_path)
+            except ValidationError as error:
+                raise ValueError(
+                    f"family {family_name!r}, setting {setting.name!r}: {validation_message(error)}"
+                ) from None
 
 
 def _k(family_name: str, setting: SettingSpec) -> int:

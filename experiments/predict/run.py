@@ -36,7 +36,13 @@ from mergecompose.experiments.letters.overlap import pair_strings, prompt_batche
 from mergecompose.experiments.letters.settings import LettersTaskSettings
 from mergecompose.experiments.letters.sweep import greedy_pair_outputs, joint_accuracy
 from mergecompose.experiments.merge_selection import best_record, merged_model, search_merges
-from mergecompose.experiments.predict.config import SWEEP_VERSION, FamilySpec, PredictConfig, SettingSpec
+from mergecompose.experiments.predict.config import (
+    SWEEP_VERSION,
+    FamilySpec,
+    PredictConfig,
+    SettingSpec,
+    preflight_predict,
+)
 from mergecompose.experiments.predict.report import write_outputs
 from mergecompose.experiments.predict.stats import analyse
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder, Stopwatch
@@ -48,17 +54,24 @@ PREDICT_FOLDER = FolderLayout("a predict-sweep folder", results="predict.json", 
 
 
 def run_predict_sweep(
-    config: PredictConfig, out_dir: str | os.PathLike, overwrite: bool = False, progress: bool = True, echo=print
+    config: PredictConfig,
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
+    progress: bool = True,
+    echo=print,
+    config_path: str | os.PathLike | None = None,
 ) -> dict:
     """Measure every setting (resuming from `OUT/settings`), then the statistics and the verdict rule.
 
-    Writes predict.json, predict.md, predict_rule.json, config.yaml and the scatter plots. Every
-    family's config is validated before any training starts. A folder that holds the results of
-    another config is refused unless `overwrite`; one that another run is writing, at once.
-    Returns the predict.json content.
+    Writes predict.json, predict.md, predict_rule.json, config.yaml and the scatter plots.
+    `config_path`: the predict config's file, whose folder relative `compare` paths are read from
+    (None: the working directory). Every family and setting is validated first (`preflight_predict`),
+    before any training starts. A folder that holds the results of another config is refused unless
+    `overwrite`; one that another run is writing, at once. Returns the predict.json content.
     """
+    preflight_predict(config, config_path)
     run = RunFolder(out_dir, PREDICT_FOLDER)
-    configs = {name: config.compare_config(name) for name in config.families}  # validate everything first
+    configs = {name: config.compare_config(name, config_path) for name in config.families}
     config_hash = fingerprint(config.model_dump(mode="json"))
     with run.claim(config_hash, overwrite):
         (run.path / "settings").mkdir(parents=True, exist_ok=True)
@@ -68,7 +81,9 @@ def run_predict_sweep(
                 echo(f"== {family_name}: {len(family.settings)} settings")
             components = prepare_components(configs[family_name], run.path, progress)
             for setting in tqdm(family.settings, desc=family_name, disable=not progress):
-                records.append(_setting_record(config, family_name, family, setting, components, run, progress))
+                records.append(
+                    _setting_record(config, family_name, family, setting, components, run, progress, config_path)
+                )
         results = {
             "name": config.name,
             "version": SWEEP_VERSION,
@@ -90,13 +105,15 @@ def _setting_record(
     components: Components,
     run: RunFolder,
     progress: bool,
+    config_path: str | os.PathLike | None = None,
 ) -> dict:
     """The setting's record: from `OUT/settings/<name>.json` where its key (a hash of its inputs) is unchanged,
-    else measured now and written there."""
-    compare = config.setting_config(family_name, setting)
+    else measured now and written there. The key holds the compare config's content, not its path, so a
+    moved or renamed config file measures nothing again."""
+    compare = config.setting_config(family_name, setting, config_path)
     inputs = {
         "version": SWEEP_VERSION,
-        "family": family.model_dump(mode="json", exclude={"settings"}),
+        "family": family.model_dump(mode="json", exclude={"settings", "compare"}),
         "setting": setting.model_dump(mode="json"),
         "compare": compare.model_dump(mode="json"),
         "checkpoints": {label: entry["fingerprint"] for label, entry in components.training.items()},

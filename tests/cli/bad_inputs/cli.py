@@ -104,10 +104,10 @@ def compare_with(mutate, source: str = "letters.yaml", command: str = "compare")
 
     def build(env):
         config = _config(source, mutate)
-        if "compare" in config:  # a sweep names its compare config relative to the repository
-            config["compare"] = str(CONFIGS.parent / config["compare"])
+        if "compare" in config:  # a sweep names its compare config relative to its own folder, configs/
+            config["compare"] = str(CONFIGS / config["compare"])
         for family in config.get("families", {}).values():  # so does each family of a predict-sweep
-            family["compare"] = str(CONFIGS.parent / family["compare"])
+            family["compare"] = str(CONFIGS / family["compare"])
         path = _write(env, "config.yaml", yaml.safe_dump(config))
         return Cli([command, str(path), "--out", str(env.tmp / "out")])
 
