@@ -37,8 +37,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.composition.rule import check_weights
 from mergecompose.core.adapters import check_adapter_fits, read_adapter
-from mergecompose.core.boundary import InputFileError
-from mergecompose.core.io import atomic_output_dir, refuse_output_over_inputs, safetensors_problem
+from mergecompose.core.boundary import InputFileError, check_adapter, check_safetensors_file
+from mergecompose.core.io import atomic_output_dir, refuse_output_over_inputs
 from mergecompose.integrations.vllm.plugin import ARCHITECTURE
 from mergecompose.merging.state_dicts import check_finite
 
@@ -72,7 +72,6 @@ _CONFIG_FIELDS_THAT_MAY_DIFFER = {
     "_attn_implementation_autoset",
 }
 NONFINITE_HINT = "the vLLM model would compose NaN log-probabilities; give a component with finite weights"
-SAFETENSORS_EXPECTED = "a complete safetensors file (save it again with `save_pretrained`)"
 
 
 def build_vllm_model(
@@ -216,21 +215,6 @@ def _weight_files(folder: Path, argument: str) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def _check_safetensors_file(path: Path, argument: str) -> None:
-    """`path` is a whole safetensors file: a regular file this user can read, its size what its header says."""
-    if not path.is_file():
-        problem = "is a folder, not a file" if path.is_dir() else "no such file"
-        raise InputFileError(argument, path, problem, SAFETENSORS_EXPECTED)
-    try:
-        problem = safetensors_problem(path)
-    except OSError as error:
-        raise InputFileError(
-            argument, path, f"cannot be read ({error.strerror or error})", SAFETENSORS_EXPECTED
-        ) from None
-    if problem is not None:
-        raise InputFileError(argument, path, problem.removeprefix(f"{path} "), SAFETENSORS_EXPECTED)
-
-
 def _check_weights(
     folder: Path, argument: str, base_shapes: dict[str, tuple[int, ...]] | None = None
 ) -> dict[str, tuple[int, ...]]:
@@ -239,13 +223,12 @@ def _check_weights(
     shapes: dict[str, tuple[int, ...]] = {}
     where = f"`{argument}` {str(folder)!r}"
     for path in _weight_files(folder, argument):
-        _check_safetensors_file(path, argument)
+        check_safetensors_file(path, argument)
         try:
             handle = safe_open(str(path), framework="pt")
         except SafetensorError as error:
-            raise InputFileError(
-                argument, path, f"has an unreadable safetensors header ({error})", SAFETENSORS_EXPECTED
-            ) from None
+            # The header parsed (check_safetensors_file) but safetensors refuses it, e.g. an unknown dtype.
+            raise InputFileError(argument, path, f"cannot be opened by safetensors ({error})") from None
         for name in handle.keys():
             tensor = handle.get_tensor(name)  # one tensor alive at a time
             shape = tuple(tensor.shape)
@@ -298,8 +281,7 @@ def _check_full_expert(folder: Path, argument: str, base_config: dict, base_fold
 def _check_lora(folder: Path, argument: str, base_folder: Path) -> dict:
     """Check a LoRA adapter against the base (shapes, kind, targets, finite values); return its scaling and
     target modules."""
-    if (folder / "adapter_model.safetensors").exists():
-        _check_safetensors_file(folder / "adapter_model.safetensors", argument)
+    check_adapter(folder, argument)  # adapter_config.json and the weight file, before peft reads them
     config, state_dict = read_adapter(str(folder), argument)
     if config.peft_type != PeftType.LORA:
         raise ValueError(
