@@ -246,21 +246,21 @@ def _readable_file(path: object, argument: str, expected: str) -> Path:
 
 
 def _check_checkpoint_folder(folder: Path, argument: str) -> None:
-    _check_config(folder / sources.CONFIG, "model_type", argument, "a transformers config.json")
     weights: dict[str, _FileCheck] = {
         SAFETENSORS: check_safetensors_file,
         SAFETENSORS_INDEX: check_sharded_index,
         TORCH_BIN: _check_torch_archive,
         TORCH_BIN_INDEX: check_sharded_index,
     }
-    _check_weights(folder, argument, weights, "weights", "a checkpoint")
+    _check_weights(folder, argument, weights, "a checkpoint")
+    _check_config(folder / sources.CONFIG, "model_type", argument, "a transformers config.json")
     _check_tokenizer_files(folder, argument)
 
 
 def _check_adapter_folder(folder: Path, argument: str) -> None:
-    _check_config(folder / sources.ADAPTER_CONFIG, "peft_type", argument, "a peft adapter_config.json")
     weights: dict[str, _FileCheck] = {ADAPTER_SAFETENSORS: check_safetensors_file, ADAPTER_BIN: _check_torch_archive}
-    _check_weights(folder, argument, weights, "adapter weights", "a peft adapter folder")
+    _check_weights(folder, argument, weights, "a peft adapter folder")
+    _check_config(folder / sources.ADAPTER_CONFIG, "peft_type", argument, "a peft adapter_config.json")
 
 
 def _check_config(file: Path, key: str, argument: str, what: str) -> None:
@@ -271,14 +271,14 @@ def _check_config(file: Path, key: str, argument: str, what: str) -> None:
         raise InputFileError(argument, file, f"has no `{key}` (keys: {keys})", f"{what} with `{key}`")
 
 
-def _check_weights(folder: Path, argument: str, checks: dict[str, _FileCheck], weights: str, what: str) -> None:
+def _check_weights(folder: Path, argument: str, checks: dict[str, _FileCheck], what: str) -> None:
     """Check the first of `checks`' files that `folder` has (the order in which the library looks for them)."""
     present = next((name for name in checks if (folder / name).exists()), None)
     if present is None:
-        names = " or ".join(checks)
-        raise InputFileError(
-            argument, folder, f"has no {weights} ({sources.folder_contents(folder)})", f"{what} with {names}"
-        )
+        names = [*checks]
+        listed = f"{', '.join(names[:-1])} or {names[-1]}"
+        problem = f"has no {listed} ({sources.folder_contents(folder)})"
+        raise InputFileError(argument, folder, problem, f"{what} with its weights")
     checks[present](folder / present, argument)
 
 

@@ -6,13 +6,15 @@ norm; dare_ties does not normalise.
 
 Before mergekit runs, everything it would accept silently or report misleadingly is checked: a
 mergekit YAML's parameters by the same rules as our config (`check_mergekit_parameters`), each
-model folder (`mergecompose.core.sources`: missing, an adapter, no config.json), and the local
+model folder (`mergecompose.core.boundary`: missing, an adapter, no config.json, a truncated or
+missing weights file), and the local
 checkpoints' tensors (`check_checkpoints`: shapes, float / integer kinds, NaN and inf). A merged
 model that comes out non-finite is not written.
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -23,8 +25,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from safetensors import safe_open
 
+from mergecompose.core.boundary import check_adapter, check_checkpoint, check_text_file
 from mergecompose.core.io import atomic_output_dir, read_yaml_mapping, refuse_existing, refuse_output_over_inputs
-from mergecompose.core.sources import check_adapter_source, check_model_source, is_local
+from mergecompose.core.sources import is_local
 from mergecompose.merging.io import SafetensorsCheckpoint
 from mergecompose.merging.merge import MERGEKIT_MODE
 from mergecompose.merging.registry import METHODS, mergekit_methods, validate_merge_params
@@ -158,7 +161,7 @@ def load_merge_config(config: MergeConfigSource) -> tuple[dict, CheckpointMergeC
     if isinstance(config, CheckpointMergeConfig):
         return config.to_mergekit(), config
     if isinstance(config, (str, os.PathLike)):
-        config = read_yaml_mapping(config, "merge config")
+        config = read_yaml_mapping(check_text_file(config, "config"), "merge config")
     if not isinstance(config, Mapping):
         raise ValueError(
             "`config` must be a YAML file, a dict in mergekit's schema (with `merge_method`) or ours "
@@ -215,9 +218,9 @@ def merge_checkpoints(
     models = {}
     for label, reference in _labelled_models(merge_configuration):
         # mergekit takes a missing local folder for a hub id, and an adapter for a broken model; say what is wrong.
-        models[label] = check_model_source(str(reference.model.path), label, adapter_hint=_ADAPTER_HINT)
+        models[label] = check_checkpoint(str(reference.model.path), label, adapter_hint=_ADAPTER_HINT)
         if reference.lora is not None:
-            check_adapter_source(str(reference.lora.path), f"{label} (its LoRA)")
+            check_adapter(str(reference.lora.path), f"{label} (its LoRA)")
     vocabulary_may_differ = bool(mergekit_dict.get("tokenizer_source") or mergekit_dict.get("tokenizer"))
     check_checkpoints(
         {label: path for label, path in models.items() if is_local(path)}, allow_nonfinite, vocabulary_may_differ
@@ -271,6 +274,7 @@ def check_mergekit_parameters(config: Mapping) -> None:
     """
     from mergekit.merge_methods import registry as mergekit_registry
 
+    check_mergekit_keys(config)
     method: Any = config.get("merge_method")  # a YAML value, checked against mergekit's methods next
     known = {entry.spec.name: entry.spec for entry in mergekit_registry.registered_methods()}
     if method not in known:
@@ -287,6 +291,24 @@ def check_mergekit_parameters(config: Mapping) -> None:
                 )
             for value in _setting_values(setting):
                 _check_parameter_value(method, f"{where}.{name}", name, value, ours)
+
+
+def check_mergekit_keys(config: Mapping) -> None:
+    """Refuse a top-level key of a mergekit-schema config that mergekit's `MergeConfiguration` has no field for.
+
+    mergekit ignores such a key, so `modelz:` for `models:` ends in "Exactly one of 'models', 'slices',
+    or 'modules' must be present"; here the key is named with the field it is closest to.
+    """
+    from mergekit.config import MergeConfiguration
+
+    fields = list(MergeConfiguration.model_fields)
+    for key in config:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            raise ValueError(
+                f"the merge config's top-level key `{key}` is not one mergekit reads; {hint}valid: {', '.join(fields)}"
+            )
 
 
 def _parameter_blocks(config: Mapping) -> Iterator[tuple[str, object]]:

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mergecompose.core.sources import check_model_source
+from mergecompose.core.boundary import check_checkpoint, check_safetensors_file, check_sharded_index
+from mergecompose.core.sources import CONFIG
 
 
 class SafetensorsCheckpoint:
@@ -19,14 +20,15 @@ class SafetensorsCheckpoint:
         self.folder = Path(folder).expanduser()
         index = self.folder / "model.safetensors.index.json"
         single = self.folder / "model.safetensors"
-        if not (index.is_file() or single.is_file()):
-            check_model_source(
-                folder, argument
-            )  # names a missing folder, an adapter folder, a folder without config.json
+        if (self.folder / CONFIG).exists() or not (index.exists() or single.exists()):
+            # names a missing folder, an adapter folder, a folder without config.json, a truncated weights file
+            check_checkpoint(folder, argument)
         if index.exists():
+            check_sharded_index(index, argument)
             weight_map = json.loads(index.read_text())["weight_map"]
             self._file_of = {name: self.folder / file for name, file in weight_map.items()}
         elif single.exists():
+            check_safetensors_file(single, argument)
             with safe_open(str(single), framework="pt") as handle:
                 self._file_of = {name: single for name in handle.keys()}
         elif not self.folder.is_dir():

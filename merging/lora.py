@@ -29,6 +29,7 @@ from peft.utils import PeftType
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
 from mergecompose.core.adapters import check_adapter_fits, read_adapter
+from mergecompose.core.boundary import check_adapter
 from mergecompose.core.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
 from mergecompose.merging.state_dicts import check_finite_tensors, check_same_shape, compute_dtype, state_dict_of
 
@@ -67,7 +68,7 @@ def lora_delta_weights(
         if not allow_nonfinite:
             check_finite_tensors(read_adapter(adapter)[1], f"adapter `{name}`")
     elif isinstance(adapter, (str, os.PathLike)):
-        config, adapter_state = read_adapter(str(adapter))
+        config, adapter_state = read_adapter(check_adapter(adapter, "adapter"))
         _check_lora_config(config, f"adapter {str(adapter)!r}")
         check_adapter_fits(str(adapter), config, adapter_state, base_model)  # names the module and both shapes
         if not allow_nonfinite:
@@ -173,6 +174,8 @@ def combine_lora_adapters(
     if not adapters:
         raise ValueError("`adapters` must name at least one adapter folder, got none")
     names = list(adapters)
+    for name in names:  # every adapter's files, before the first one loads
+        check_adapter(adapters[name], f"adapters[{name!r}]")
     weights = [1.0] * len(names) if weights is None else [float(weight) for weight in weights]
     if len(weights) != len(names) or not all(math.isfinite(weight) for weight in weights):
         raise ValueError(f"`weights` must hold {len(names)} finite numbers, got {weights}")

@@ -90,7 +90,11 @@ def test_a_good_checkpoint_passes_as_given(checkpoint):
         (lambda f: (f / "config.json").write_text('{"hidden_size": 8}'), "config.json", r"has no `model_type`"),
         (lambda f: (f / "config.json").write_text("[1]"), "config.json", r"holds a JSON list, not an object"),
         (lambda f: (f / "tokenizer.json").write_text("{"), "tokenizer.json", r"is not valid JSON"),
-        (lambda f: (f / "model.safetensors").unlink(), "", r"has no weights \(it holds config\.json"),
+        (
+            lambda f: (f / "model.safetensors").unlink(),
+            "",
+            r"has no model\.safetensors, .* or pytorch_model\.bin\.index\.json \(it holds config\.json",
+        ),
     ],
     ids=[
         "truncated",
@@ -201,7 +205,10 @@ def test_a_good_adapter_passes_and_broken_ones_are_named(adapter):
     with pytest.raises(InputFileError, match=r"`adapters\['ab'\]` '.*adapter_model\.safetensors': is empty"):
         check_adapter(adapter, "adapters['ab']")
     (adapter / "adapter_model.safetensors").unlink()
-    with pytest.raises(InputFileError, match=r"has no adapter weights \(it holds .*adapter_config\.json"):
+    with pytest.raises(
+        InputFileError,
+        match=r"has no adapter_model\.safetensors or adapter_model\.bin \(it holds .*adapter_config\.json",
+    ):
         check_model_or_adapter(adapter, "experts[0]")
 
 
