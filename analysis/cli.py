@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from mergecompose.analysis.report import recommendation_text, terminal_table
-from mergecompose.analysis.run import OverlapRunConfig, run_overlap
+from mergecompose.analysis.run import OverlapRunConfig, preflight_overlap, read_overlap_yaml, run_overlap
 from mergecompose.core.cli_common import add_common_flags, declare_paths
-from mergecompose.core.io import read_yaml_mapping
 
 
 def add_commands(subparsers) -> None:
@@ -103,7 +102,7 @@ _RUN_FLAGS = (
 
 def config_from_args(args):
     """YAML (if any) first, then every flag that was given; validated as `OverlapRunConfig`."""
-    values = read_yaml_mapping(args.config, "`--config` overlap config") if args.config else {}
+    values = read_overlap_yaml(args.config) if args.config else {}
     for name in _RUN_FLAGS:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
@@ -116,7 +115,7 @@ def config_from_args(args):
 
 
 def preflight_overlap_command(args) -> None:
-    config_from_args(args)
+    preflight_overlap(config_from_args(args))
 
 
 def run_overlap_command(args) -> int:

@@ -10,8 +10,8 @@ from mergecompose.core.cli_common import add_common_flags, check_free_disk, decl
 from mergecompose.core.io import load_yaml_config, markdown_table
 from mergecompose.experiments.compare import preflight_compare, run_compare, synthetic_checkpoint_bytes
 from mergecompose.experiments.config import load_config
-from mergecompose.experiments.letters.sweep import SweepConfig, run_sweep
-from mergecompose.experiments.predict import PredictConfig, run_predict_sweep
+from mergecompose.experiments.letters.sweep import SweepConfig, preflight_overlap_sweep, run_sweep
+from mergecompose.experiments.predict import PredictConfig, preflight_predict, run_predict_sweep
 from mergecompose.experiments.predict.report import ranked
 from mergecompose.experiments.skills.sweep import load_sweep_configs, run_skills_sweep
 
@@ -136,13 +136,15 @@ def run_skills_sweep_command(args) -> int:
 
 
 def preflight_overlap_sweep_command(args) -> None:
-    load_yaml_config(args.config, SweepConfig, "sweep config")
+    preflight_overlap_sweep(load_yaml_config(args.config, SweepConfig, "sweep config"), args.config)
 
 
 def run_overlap_sweep_command(args) -> int:
     config = load_yaml_config(args.config, SweepConfig, "sweep config")
     transformers_logging.disable_progress_bar()
-    results = run_sweep(config, args.out, overwrite=args.overwrite, progress=not args.quiet)  # `main` applies --threads
+    results = run_sweep(
+        config, args.out, overwrite=args.overwrite, progress=not args.quiet, config_path=args.config
+    )  # `main` applies --threads
     keys = [
         "pair",
         "mass_overlap",
@@ -165,14 +167,19 @@ def run_overlap_sweep_command(args) -> int:
 
 
 def preflight_predict_sweep_command(args) -> None:
-    load_yaml_config(args.config, PredictConfig, "predict config")
+    preflight_predict(load_yaml_config(args.config, PredictConfig, "predict config"), args.config)
 
 
 def run_predict_sweep_command(args) -> int:
     config = load_yaml_config(args.config, PredictConfig, "predict config")
     transformers_logging.disable_progress_bar()
     results = run_predict_sweep(
-        config, args.out, overwrite=args.overwrite, progress=not args.quiet, echo=None if args.quiet else print
+        config,
+        args.out,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        echo=None if args.quiet else print,
+        config_path=args.config,
     )
     top = ranked(results, "spearman_compose_error")[:3]
     keys = ["name", "family", "compose", "best_remedy", "best_merge"]
