@@ -10,7 +10,7 @@ from typing import Any, cast
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from mergecompose.core.adapters import merged_adapter_model
-from mergecompose.core.sources import source_kind
+from mergecompose.core.boundary import check_model_or_adapter
 
 # How `from_adapters` runs the LoRA experts in one batched pass (`SharedAdapters`).
 LORA_IMPLEMENTATIONS = ("stacked", "peft")
@@ -19,10 +19,11 @@ LORA_IMPLEMENTATIONS = ("stacked", "peft")
 def is_adapter_source(source: str | os.PathLike[str], argument: str = "source") -> bool:
     """True if `source` (a local folder or hub id) holds a peft adapter rather than a full model.
 
-    A missing local folder, or one that is neither, raises a ValueError naming `argument`
-    (`mergecompose.core.sources.source_kind`).
+    A missing local folder, one that is neither, or one whose files do not check out (a truncated
+    weights file, an unparsable config) raises a ValueError naming `argument`
+    (`mergecompose.core.boundary.check_model_or_adapter`).
     """
-    return source_kind(source, argument) == "adapter"
+    return check_model_or_adapter(source, argument) == "adapter"
 
 
 def check_names(names: object, num_experts: int) -> list[str]:

@@ -39,7 +39,7 @@ from mergecompose.composition.shared_adapters import SharedAdapters
 from mergecompose.composition.speculative import SpeculationStats, speculative_decode
 from mergecompose.composition.stops import Stopping, special_ids, stop_criteria
 from mergecompose.core.adapters import check_adapter_names
-from mergecompose.core.sources import check_model_source
+from mergecompose.core.boundary import check_checkpoint
 
 _CLOSED = "this ComposedLM was closed and has given its models back; build a new one to compose again"
 
@@ -164,7 +164,7 @@ class ComposedLM:
         if len(experts) == 0:
             raise ValueError("`experts` must name at least one checkpoint or adapter, got none")
         check_weights(weights, len(experts))
-        base = check_model_source(base, "base", adapter_hint="give its base as `base` and the adapter as an expert")
+        base = check_checkpoint(base, "base", adapter_hint="give its base as `base` and the adapter as an expert")
         is_adapter = [is_adapter_source(expert, f"experts[{index}]") for index, expert in enumerate(experts)]
         names = check_names(names_from_paths(experts) if names is None else names, len(experts))
         if all(is_adapter):

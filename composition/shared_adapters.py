@@ -11,6 +11,7 @@ give the same numbers (pinned in tests):
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import cast
 
@@ -22,6 +23,7 @@ from mergecompose.composition.backend import Caches
 from mergecompose.composition.drafts import merged_lora_draft
 from mergecompose.composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
 from mergecompose.core.adapters import TrainingFlags, load_adapters_on_base
+from mergecompose.core.boundary import check_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ class SharedAdapters:
         self, base_model: PreTrainedModel, adapters: Mapping[str, object], implementation: str = "stacked"
     ) -> None:
         self.flags = TrainingFlags(base_model)  # before peft freezes the base and sets eval()
+        for name, source in adapters.items():  # every adapter's files, before the first one loads
+            if isinstance(source, (str, os.PathLike)):
+                check_adapter(source, f"adapters[{name!r}]")
         self.adapters = dict(adapters)  # the sources, for a merged draft
         peft_model, adapter_names = load_adapters_on_base(base_model, adapters)
         self.components = ["__base__", *adapter_names]
