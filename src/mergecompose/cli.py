@@ -24,8 +24,11 @@ _COMMAND_MODULES = [
     "mergecompose.analysis.cli",
     "mergecompose.experiments.cli",
 ]
-# Commands of an optional extra: module -> (the package it needs, the command, the extra).
-_OPTIONAL_COMMAND_MODULES = {"mergecompose.integrations.lm_eval.cli": ("lm_eval", "lm-eval", "lm-eval")}
+# Commands of an optional extra: module -> (the package it needs, the command or a tuple of them, the extra).
+_OPTIONAL_COMMAND_MODULES = {
+    "mergecompose.integrations.lm_eval.cli": ("lm_eval", "lm-eval", "lm-eval"),
+    "mergecompose.integrations.gguf.cli": ("gguf", ("fetch-model", "convert-gguf"), "real-model"),
+}
 
 # Errors caused by the user's input, reported in one line, whatever their type. ValueError covers pydantic's
 # ValidationError, the loading boundary's InputFileError, json's JSONDecodeError and UnicodeDecodeError. OSError
@@ -59,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         if importlib.util.find_spec(package) is not None:
             importlib.import_module(module_name).add_commands(subparsers)
         else:
-            _add_missing_extra(subparsers, command, package, extra)
+            for name in (command,) if isinstance(command, str) else command:
+                _add_missing_extra(subparsers, name, package, extra)
     return parser
 
 
