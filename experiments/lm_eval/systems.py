@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers lm-eval's `composed` model)
 from mergecompose.composition.loading import is_adapter_source
+from mergecompose.core.boundary import check_checkpoint
 from mergecompose.core.io import atomic_output_dir, manifest_problem, write_manifest
 from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig
@@ -79,7 +80,11 @@ def hf_system(
 
 
 def single_systems(config: LmEvalCompareConfig) -> dict[str, System]:
-    """`base` and every `expert:<name>` (an adapter is scored on the base, as peft runs it)."""
+    """`base` and every `expert:<name>` (an adapter is scored on the base, as peft runs it).
+
+    The base's and the experts' files are checked first (`mergecompose.core.boundary`), before lm-eval loads any.
+    """
+    check_checkpoint(config.base, "base", adapter_hint="give its base as `base` and the adapter under `experts`")
     systems = {BASE: hf_system(BASE, config, config.base)}
     for name, source in config.experts.items():
         if is_adapter_source(source, f"experts.{name}"):
