@@ -171,7 +171,7 @@ class LettersRun(BaseModel):
     def system_fields(self) -> dict:
         """`base`, `experts`, `compositions`, `merges` (at the chosen points), `merge_experts`, `seed_merges`."""
         record = self._results if self.variant is None else self._results["variants"][self.variant]
-        paths = {label: entry["path"] for label, entry in record["training"].items()}
+        paths = {label: self._checkpoint(entry["path"]) for label, entry in record["training"].items()}
         config = self.setting
         experts = {}
         for skill in config.task.trained_skills():
@@ -196,6 +196,13 @@ class LettersRun(BaseModel):
             "merge_experts": joint,
             "seed_merges": config.seed_merges,
         }
+
+    def _checkpoint(self, recorded: str) -> str:
+        """A checkpoint path as results.json records it: relative to the working directory of that run, so
+        one relative path is read as the same entry of this run folder's `checkpoints/` when that exists."""
+        path = Path(recorded)
+        here = Path(self.folder) / "checkpoints" / path.name
+        return str(here) if not path.is_absolute() and here.is_dir() else recorded
 
     def eval_sets(self) -> dict[str, EvalSet]:
         """The setting's test splits, regenerated from its config: the strings the native run scored."""

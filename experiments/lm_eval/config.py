@@ -29,25 +29,33 @@ mergekit's definitions, as `merge_checkpoints` will run it), that local folders 
 checkpoints or adapters, that lm-eval knows every task, and that no code task runs without
 `allow_code_execution: true` (lm-eval's `confirm_run_unsafe_code`).
 
+Relative paths in the config (`task.include_path`, `letters_run.folder`, local `base` and `experts`) are read
+from the config file's own folder (pydantic's validation context `config_dir`, which
+`mergecompose.core.io.load_yaml_config` gives), and from the working directory for a config validated
+from a dict; they are stored absolute, so the resolved config beside the results loads from anywhere.
+A hub id stays a hub id. What needs a task, a model or a device is checked before any work by
+`mergecompose.experiments.lm_eval.preflight.check_before_work`.
+
 `letters_run` takes the systems from a native letters compare run instead (see
 `mergecompose.experiments.letters.lm_eval_tasks.LettersRun`): fields left out are filled in from that run.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core import sources
 from mergecompose.core.sources import check_hub_id, check_model_source, hub_offline, is_local
 from mergecompose.experiments.config import MergeGrid, check_merge_grids
 from mergecompose.experiments.letters.lm_eval_tasks import LettersRun
-from mergecompose.experiments.lm_eval.catalog import check_task_names, task_kind, unsafe_tasks
+from mergecompose.experiments.lm_eval.catalog import check_task_files, check_task_names, task_kind, unsafe_tasks
 from mergecompose.merging import METHODS, CheckpointMergeConfig
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
@@ -134,9 +142,13 @@ class LmEvalCompareConfig(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_letters_run(cls, data):
-        """Fields left out are taken from `letters_run` (its base, experts, composition and chosen merges)."""
-        if isinstance(data, dict) and isinstance(data.get("letters_run"), dict | LettersRun):
+    def _from_letters_run(cls, data, info: ValidationInfo):
+        """Relative paths read from the config's folder; then fields left out are taken from `letters_run` (its
+        base, experts, composition and chosen merges)."""
+        if not isinstance(data, dict):
+            return data
+        data = resolve_paths(data, Path((info.context or {}).get("config_dir") or "."))
+        if isinstance(data.get("letters_run"), dict | LettersRun):
             run = LettersRun.model_validate(data["letters_run"])
             data = {**run.system_fields(), **data}
         return data
@@ -229,8 +241,10 @@ class LmEvalCompareConfig(_Strict):
         return [] if self.task.include_path is None else [self.task.include_path]
 
     def check_tasks(self, extra_names: Sequence[str] = (), extra_paths: Sequence[str] = ()):
-        """lm-eval knows every task named (and `extra_names`, under `extra_paths` too); code tasks only with
-        `allow_code_execution`. Returns the lm-eval `TaskManager` that knows them (None when none is named)."""
+        """Every task file under the include paths reads and has lm-eval's fields; lm-eval knows every task named
+        (and `extra_names`, under `extra_paths` too); code tasks only with `allow_code_execution`. Returns the
+        lm-eval `TaskManager` that knows them (None when none is named)."""
+        check_task_files([*self.include_paths(), *extra_paths])
         names = [*self.task.names, *extra_names, *([self.merge_selection.task] if self.merge_selection else [])]
         if not names:
             return None
@@ -250,6 +264,46 @@ class LmEvalCompareConfig(_Strict):
                 "(lm-eval's confirm_run_unsafe_code), preferably in a sandbox"
             )
         return manager
+
+
+def resolve_paths(data: dict, folder: Path) -> dict:
+    """`data` (a config mapping) with its relative local paths read from `folder`, made absolute: `task.include_path`,
+    `letters_run.folder`, `base` and each of `experts` (those that are local, `is_local` read from `folder`)."""
+    data = dict(data)
+    task = data.get("task")
+    if isinstance(task, dict) and isinstance(task.get("include_path"), str):
+        data["task"] = {**task, "include_path": _absolute(task["include_path"], folder)}
+    run = data.get("letters_run")
+    if isinstance(run, dict) and isinstance(run.get("folder"), str):
+        data["letters_run"] = {**run, "folder": _absolute(run["folder"], folder)}
+    if isinstance(data.get("base"), str):
+        data["base"] = resolve_source(data["base"], folder)
+    if isinstance(data.get("experts"), dict):
+        data["experts"] = {
+            name: resolve_source(source, folder) if isinstance(source, str) else source
+            for name, source in data["experts"].items()
+        }
+    return data
+
+
+def resolve_source(value: str, folder: Path) -> str:
+    """A model source named in a config in `folder`: a local path (by `is_local`'s rules, read from `folder`) made
+    absolute; a hub id (`owner/name` with no such local folder) unchanged."""
+    path = Path(value).expanduser()
+    if not value or path.is_absolute():
+        return value
+    candidate = folder / path
+    local = (
+        value.startswith((".", "~"))
+        or len(path.parts) > 2
+        or candidate.exists()
+        or (len(path.parts) == 2 and candidate.parent.is_dir())
+    )
+    return _absolute(value, folder) if local else value
+
+
+def _absolute(value: str, folder: Path) -> str:
+    return value if not value else os.path.abspath(folder / Path(value).expanduser())
 
 
 def source_kind(value: str, where: str) -> Literal["checkpoint", "adapter", "hub"]:

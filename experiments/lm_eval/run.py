@@ -8,7 +8,9 @@
     OUT/samples/           lm-eval's per-sample logs, one jsonl per system and leaf task
     OUT/results.json, results.md, bars.png
 
-Before any model loads, the task names and the code-execution opt-in are checked again (with the
+Before any model loads, `mergecompose.experiments.lm_eval.preflight.check_before_work` checks what the
+last step needs (devices, sources, vocabularies, task files, generation settings, the selection
+metric); the task names and the code-execution opt-in are checked again (with the
 tiny tasks written), and the folder is checked: one that holds the results of another config is
 refused unless `overwrite`, and one that another run is writing is refused at once. A killed run,
 restarted, evaluates only the cells it had not written (and removes the temporaries it left).
@@ -31,7 +33,8 @@ from tqdm.auto import tqdm
 
 from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.lm_eval.cells import CellStore, EvaluationSettings, TaskRun, folder_digest
-from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig, check_hub_sources
+from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig
+from mergecompose.experiments.lm_eval.preflight import LM_EVAL_FOLDER, check_before_work, preflight
 from mergecompose.experiments.lm_eval.report import plot_bars, results_markdown, results_table
 from mergecompose.experiments.lm_eval.systems import (
     MergeBuild,
@@ -42,12 +45,9 @@ from mergecompose.experiments.lm_eval.systems import (
 )
 from mergecompose.experiments.merge_selection import best_record, search_merges
 from mergecompose.experiments.registry import register_compare_kind
-from mergecompose.experiments.run_folder import FolderLayout, RunFolder
+from mergecompose.experiments.run_folder import RunFolder
 from mergecompose.experiments.systems import System, merge_name
-
-# What a run folder may hold besides results.json before it counts as someone else's folder.
-_RUN_ENTRIES = ("config.yaml", "lm_eval_tasks", "cache", "cells", "samples", "results.md", "bars.png")
-LM_EVAL_FOLDER = FolderLayout("an lm_eval compare folder", cached=_RUN_ENTRIES, leftovers=("cache", "cells"))
+from mergecompose.integrations.lm_eval.quiet import quiet_lm_eval
 
 
 def run_lm_eval_compare(
@@ -63,13 +63,17 @@ def run_lm_eval_compare(
 
     With `allow_code_execution: true`, `HF_ALLOW_CODE_EVAL=1` is set for the run too: the code
     tasks' metric (HF evaluate's `code_eval`) refuses to execute anything without it.
+
+    Everything the run needs is checked first, before any model loads (`preflight.check_before_work`).
+    Without `progress`, lm-eval is silent too: its log lines, bars and `git describe`'s stderr
+    (`mergecompose.integrations.lm_eval.quiet`).
     """
-    with _code_execution(config.allow_code_execution):
+    check_before_work(config)
+    with _code_execution(config.allow_code_execution), quiet_lm_eval(not progress):
         return _run(config, Path(out_dir), overwrite, progress, echo)
 
 
 def _run(config: LmEvalCompareConfig, out_dir: Path, overwrite: bool, progress: bool, echo) -> dict:
-    check_hub_sources(config)
     config_hash = fingerprint(config)
     run = RunFolder(out_dir, LM_EVAL_FOLDER)
     with run.claim(config_hash, overwrite):
@@ -257,4 +261,4 @@ class _Loader:
             torch.cuda.empty_cache()
 
 
-register_compare_kind("lm_eval", LmEvalCompareConfig, run_lm_eval_compare)
+register_compare_kind("lm_eval", LmEvalCompareConfig, run_lm_eval_compare, preflight)

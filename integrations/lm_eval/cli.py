@@ -3,7 +3,7 @@
 lm-eval has no plugin hook for models, so this command imports `mergecompose.integrations.lm_eval.model` (which
 registers `composed`) and then runs lm-eval's CLI on exactly the arguments given, in lm-eval's
 spelling (`--model composed --model_args base=…,experts=…|… --tasks …`, `--confirm_run_unsafe_code`
-for code tasks, `ls tasks`, …).
+for code tasks, `ls tasks`, …), plus our `--quiet`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from lm_eval._cli import HarnessCLI
 
 import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers the `composed` model)
 from mergecompose.core.cli_common import declare_paths
+from mergecompose.integrations.lm_eval.quiet import quiet_lm_eval
 
 
 def add_commands(subparsers) -> None:
@@ -32,8 +33,13 @@ def add_commands(subparsers) -> None:
 
 
 def run_lm_eval(args) -> int:
-    """Run lm-eval's CLI on `args.arguments`; lm-eval reads `sys.argv` itself, so it is set for the call."""
-    with _argv(["lm-eval", *args.arguments]):
+    """Run lm-eval's CLI on `args.arguments`; lm-eval reads `sys.argv` itself, so it is set for the call.
+
+    `--quiet` (ours, taken out before lm-eval sees the arguments) silences lm-eval's log lines, progress
+    bars and the stderr of its `git describe` (`mergecompose.integrations.lm_eval.quiet`); the results
+    table and errors still show."""
+    arguments = [argument for argument in args.arguments if argument != "--quiet"]
+    with _argv(["lm-eval", *arguments]), quiet_lm_eval(len(arguments) < len(args.arguments)):
         harness = HarnessCLI()
         try:
             parsed = harness.parse_args()

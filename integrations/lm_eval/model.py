@@ -234,11 +234,16 @@ class ComposedHFLM(HFLM):
         """`arg_dict` over lm-eval's `additional_config` (`batch_size`, `device`): no "multiple values" clash."""
         return cls(ComposedModelArgs.parse(arg_dict, additional_config))
 
-    def __init__(self, args: ComposedModelArgs | None = None, /, **model_args: Any) -> None:
-        if args is None:
-            args = ComposedModelArgs.parse(model_args)
-        elif model_args:
-            raise ValueError("give the model_args either checked (ComposedModelArgs) or as keywords, not both")
+    def __init__(self, base: str | ComposedModelArgs | None = None, experts: Any = None, **model_args: Any) -> None:
+        """`ComposedHFLM(base, experts, **model_args)` (checked by `ComposedModelArgs.parse`), or one
+        `ComposedModelArgs` already checked."""
+        if isinstance(base, ComposedModelArgs):
+            if experts is not None or model_args:
+                raise ValueError("give the model_args either checked (ComposedModelArgs) or as keywords, not both")
+            args = base
+        else:
+            named = {"base": base, "experts": experts}
+            args = ComposedModelArgs.parse({**{k: v for k, v in named.items() if v is not None}, **model_args})
         self.chunk_bytes = args.chunk_megabytes * 2**20
         composed = ComposedLM.from_pretrained(
             args.base,

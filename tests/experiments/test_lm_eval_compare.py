@@ -217,7 +217,10 @@ def test_a_killed_run_recomputes_only_the_missing_cell(lm_eval_run, tmp_path):
     shutil.copytree(out_dir, copy)
     (copy / "results.json").unlink()  # killed before the end
     (copy / "cells" / "compose" / "letters_ab.json").unlink()
-    assert main(["compare", str(copy / "config.yaml"), "--out", str(copy), "--quiet"]) == 0
+    # The resolved config beside the results loads from anywhere (its paths are absolute); a config inside --out
+    # is refused as an input the run could overwrite, so it is run from a copy.
+    shutil.copy(copy / "config.yaml", tmp_path / "config.yaml")
+    assert main(["compare", str(tmp_path / "config.yaml"), "--out", str(copy), "--quiet"]) == 0
     rerun = json.loads((copy / "results.json").read_text())
     assert rerun["cells"]["evaluated"] == [["compose", "letters_ab"]]
     assert len(rerun["cells"]["reused"]) == len(results["cells"]["evaluated"]) - 1

@@ -313,7 +313,9 @@ def test_code_tasks_need_the_opt_in(setup, capsys):
     assert main([*arguments, "--confirm_run_unsafe_code", "--output_path", str(out)]) == 0
 
 
-def test_the_cli_runs_a_task_end_to_end(setup, capsys):
+def test_the_cli_runs_a_task_end_to_end(setup, capfd, monkeypatch):
+    """With `--quiet`, only the results table: no log line, bar or `git describe` complaint (run outside git)."""
+    monkeypatch.chdir(setup["root"])
     out = setup["root"] / "cli_out"
     arguments = [
         "lm-eval",
@@ -330,8 +332,11 @@ def test_the_cli_runs_a_task_end_to_end(setup, capsys):
         "--log_samples",
         "--device",
         "cpu",
+        "--quiet",
     ]
+    capfd.readouterr()
     assert main(arguments) == 0
-    printed = capsys.readouterr().out
-    assert "tiny_mc" in printed and "acc" in printed
+    printed = capfd.readouterr()
+    assert "tiny_mc" in printed.out and "acc" in printed.out
+    assert printed.err == "", printed.err[-500:]
     assert list(out.rglob("results_*.json")) and list(out.rglob("samples_tiny_mc_*.jsonl"))
