@@ -2,6 +2,7 @@
 scored by lm-eval. The modules, under `mergecompose.experiments.lm_eval`:
 
     config   the typed config (`LmEvalCompareConfig`), validated as a whole at load time
+    preflight  what the run needs of devices, models, vocabularies, task files and metrics, before any model loads
     catalog  which lm-eval tasks exist and which run model-written code (lm-eval's task index)
     systems  the systems as lm-eval models; merges (mergekit) and dense LoRA experts, cached
     cells    one (system, task) cell: lm-eval's `simple_evaluate`, records with 95 % intervals

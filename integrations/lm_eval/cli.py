@@ -25,7 +25,8 @@ def add_commands(subparsers) -> None:
         "lm-eval",
         prefix_chars="\x00",
         add_help=False,
-        help="lm-evaluation-harness's command line with the `composed` model registered (lm-eval's own flags)",
+        help="lm-evaluation-harness's command line with the `composed` model registered (lm-eval's own flags, and "
+        "--quiet: only the results table)",
     )
     command.add_argument("arguments", nargs="*")
     declare_paths(command, outputs=(), more=lm_eval_paths)
