@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import os
 import struct
 import zipfile
@@ -37,6 +38,21 @@ _GGUF_HEADER = struct.Struct("<4sIQQ")
 # and the least a metadata entry takes (key length uint64, value type uint32).
 _GGUF_MIN_TENSOR_INFO = 24
 _GGUF_MIN_METADATA = 12
+# Metadata value types of fixed size -> their struct format (8 is a string, 9 an array).
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_ALIGNMENT = 32  # when `general.alignment` is not given
+# ggml tensor types -> (elements per block, bytes per block), as gguf's GGML_QUANT_SIZES gives them.
+_GGML_BLOCKS = {
+    **dict.fromkeys((0, 26), (1, 4)),  # F32, I32
+    **dict.fromkeys((1, 25, 30), (1, 2)),  # F16, I16, BF16
+    **dict.fromkeys((27, 28), (1, 8)),  # I64, F64
+    24: (1, 1),  # I8
+    **{2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40), 20: (32, 18), 39: (32, 17)},
+    **{10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292)},
+    **{16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 21: (256, 110), 22: (256, 82), 23: (256, 136)},
+    **{29: (256, 56), 34: (256, 54), 35: (256, 66), 40: (64, 36), 41: (128, 18)},
+}
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -77,6 +93,7 @@ def check_checkpoint(
     tokenizer's JSON files that are present must parse. A hub id goes through
     `mergecompose.core.sources`; a peft adapter folder is refused with `adapter_hint`.
     """
+    _check_config_files(source, argument)
     text = sources.check_model_source(source, argument, adapter_hint=adapter_hint)
     if sources.is_local(text):
         _check_checkpoint_folder(Path(text).expanduser(), argument)
@@ -89,6 +106,7 @@ def check_adapter(source: str | os.PathLike[str], argument: str) -> str:
     A local folder needs adapter_config.json (a JSON object with `peft_type`) and
     adapter_model.safetensors or adapter_model.bin, checked as in `check_checkpoint`.
     """
+    _check_config_files(source, argument)
     text = sources.check_adapter_source(source, argument)
     if sources.is_local(text):
         _check_adapter_folder(Path(text).expanduser(), argument)
@@ -97,6 +115,7 @@ def check_adapter(source: str | os.PathLike[str], argument: str) -> str:
 
 def check_model_or_adapter(source: str | os.PathLike[str], argument: str) -> Literal["checkpoint", "adapter"]:
     """Whether `source` is a full checkpoint or a peft adapter (`sources.source_kind`), after checking its files."""
+    _check_config_files(source, argument)
     kind = sources.source_kind(source, argument)
     text = os.fspath(source)
     if sources.is_local(text):
@@ -187,10 +206,11 @@ def check_text_file(path: str | os.PathLike[str], argument: str) -> Path:
 
 
 def check_gguf_file(path: str | os.PathLike[str], argument: str) -> Path:
-    """`path` as a Path, after checking that it is a GGUF file this code can read.
+    """`path` as a Path, after checking that it is a complete GGUF file this code can read.
 
     Reads the little-endian header only: the magic `GGUF`, a version in `GGUF_VERSIONS`, the tensor
-    count and the metadata count (each an uint64), which must fit in the file's size.
+    count and the metadata count (each an uint64), every metadata entry and tensor info, and checks
+    that each tensor's data (offset and size from its type and shape) lies within the file.
     """
     expected = f"a GGUF file (magic {GGUF_MAGIC!r}, version {' or '.join(map(str, GGUF_VERSIONS))})"
     file = _readable_file(path, argument, expected)
@@ -213,7 +233,81 @@ def check_gguf_file(path: str | os.PathLike[str], argument: str) -> Path:
             f"which cannot fit in its {size} bytes",
             expected,
         )
+    with open(file, "rb") as handle:
+        handle.seek(_GGUF_HEADER.size)
+        try:
+            end = _GGUFReader(handle, size).data_end(tensors, metadata)
+        except _GGUFShort:
+            raise InputFileError(
+                argument, file, f"is truncated: its header runs past its {size} bytes", expected
+            ) from None
+        except ValueError as error:
+            raise InputFileError(argument, file, f"has an unreadable GGUF header ({error})", expected) from None
+    if end > size:
+        raise InputFileError(
+            argument, file, f"is truncated: {size} bytes, its tensors' data runs to byte {end}", expected
+        )
     return file
+
+
+class _GGUFShort(Exception):
+    """The GGUF header asks for bytes past the end of the file."""
+
+
+class _GGUFReader:
+    """Walks a GGUF header (metadata entries, then tensor infos) without reading any tensor data."""
+
+    def __init__(self, handle: Any, size: int) -> None:
+        self.handle, self.size = handle, size
+
+    def read(self, count: int) -> bytes:
+        if self.handle.tell() + count > self.size:
+            raise _GGUFShort
+        return bytes(self.handle.read(count))
+
+    def unpack(self, form: str) -> Any:
+        layout = struct.Struct("<" + form)
+        return layout.unpack(self.read(layout.size))[0]
+
+    def string(self) -> bytes:
+        return self.read(self.unpack("Q"))
+
+    def value(self, kind: int) -> Any:
+        if kind in _GGUF_SCALARS:
+            return self.unpack(_GGUF_SCALARS[kind])
+        if kind == _GGUF_STRING:
+            return self.string()
+        if kind != _GGUF_ARRAY:
+            raise ValueError(f"metadata value type {kind}")
+        item, count = self.unpack("I"), self.unpack("Q")
+        if item in _GGUF_SCALARS:  # skipped, not read: a vocabulary's scores may be large
+            width = struct.calcsize("<" + _GGUF_SCALARS[item])
+            if self.handle.tell() + count * width > self.size:
+                raise _GGUFShort
+            self.handle.seek(count * width, os.SEEK_CUR)
+            return None
+        for _ in range(count):
+            self.value(item)
+        return None
+
+    def data_end(self, tensors: int, metadata: int) -> int:
+        """The byte at which the last tensor's data ends (for tensor types it knows)."""
+        alignment = _GGUF_ALIGNMENT
+        for _ in range(metadata):
+            key, value = self.string(), self.value(self.unpack("I"))
+            if key == b"general.alignment" and isinstance(value, int) and value > 0:
+                alignment = value
+        infos = []
+        for _ in range(tensors):
+            self.string()
+            shape = [self.unpack("Q") for _ in range(self.unpack("I"))]
+            infos.append((shape, self.unpack("I"), self.unpack("Q")))
+        start = -(-self.handle.tell() // alignment) * alignment  # the data section starts aligned
+        end = start
+        for shape, kind, offset in infos:
+            elements, (block, width) = math.prod(shape), _GGML_BLOCKS.get(kind, (1, 0))
+            end = max(end, start + offset + -(-elements // block) * width)
+        return end
 
 
 # ---- files -------------------------------------------------------------------------------------
@@ -280,6 +374,19 @@ def _check_weights(folder: Path, argument: str, checks: dict[str, _FileCheck], w
         problem = f"has no {listed} ({sources.folder_contents(folder)})"
         raise InputFileError(argument, folder, problem, f"{what} with its weights")
     checks[present](folder / present, argument)
+
+
+def _check_config_files(source: object, argument: str) -> None:
+    """config.json and adapter_config.json, where a local folder has them, are readable files.
+
+    Checked before `sources` tells the kinds apart, which a folder in place of one would mislead.
+    """
+    if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
+        return  # `sources` names what the value should be
+    folder = Path(os.fspath(source)).expanduser()
+    for name in (sources.CONFIG, sources.ADAPTER_CONFIG):
+        if folder.is_dir() and (folder / name).exists():
+            check_json_file(folder / name, argument)
 
 
 def _check_tokenizer_files(folder: Path, argument: str) -> None:

@@ -34,9 +34,47 @@ def _gguf(path, magic=b"GGUF", version=3, tensors=0, metadata=0, extra=b""):
     return path
 
 
-def test_gguf_file_with_a_known_header_passes(tmp_path):
-    path = _gguf(tmp_path / "model.gguf", version=2, tensors=1, metadata=1, extra=b"\0" * 36)
+def _string(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+def _complete_gguf(path, version=3):
+    """A GGUF file by hand: metadata `general.alignment` (uint32 64) and a names array, then one F32 (2, 3) tensor."""
+    metadata = _string(b"general.alignment") + struct.pack("<II", 4, 64)
+    metadata += _string(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + _string(b"a") + _string(b"b")
+    info = _string(b"token_embd.weight") + struct.pack("<IQQIQ", 2, 3, 2, 0, 0)
+    _gguf(path, version=version, tensors=1, metadata=2, extra=metadata + info)
+    padding = -path.stat().st_size % 64
+    with open(path, "ab") as handle:
+        handle.write(b"\0" * padding + struct.pack("<6f", *range(6)))
+    return path
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_a_complete_gguf_file_passes_and_one_cut_anywhere_is_truncated(tmp_path, version):
+    path = _complete_gguf(tmp_path / "model.gguf", version)
     assert check_gguf_file(str(path), "gguf") == path
+    data = path.read_bytes()
+    for keep in (len(data) - 4, len(data) - 24, 40, 70):  # in the tensor data, the padding, the metadata
+        path.write_bytes(data[:keep])
+        with pytest.raises(InputFileError, match=rf"`gguf` '.*model\.gguf': is truncated: .*{keep} bytes"):
+            check_gguf_file(path, "gguf")
+
+
+def test_a_gguf_file_written_by_gguf_and_cut_in_half_is_truncated(tmp_path):
+    gguf = pytest.importorskip("gguf")  # the real-model extra
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.arange(64, dtype=torch.float32).reshape(8, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert check_gguf_file(path, "gguf") == path
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(InputFileError, match=r"is truncated"):
+        check_gguf_file(path, "gguf")
 
 
 @pytest.mark.parametrize(
@@ -46,11 +84,12 @@ def test_gguf_file_with_a_known_header_passes(tmp_path):
         (lambda p: _gguf(p, version=7), r"has GGUF version 7, which this code cannot read"),
         (lambda p: p.write_bytes(b"GGUF\3\0"), r"is truncated: 6 bytes, shorter than a GGUF header"),
         (lambda p: _gguf(p, tensors=2, metadata=1), r"declares 2 tensors and 1 metadata entries.* 24 bytes"),
+        (lambda p: _gguf(p, metadata=1, extra=_string(b"k") + struct.pack("<I", 99)), r"metadata value type 99"),
         (lambda p: p.write_bytes(b""), r"is empty; expected a GGUF file"),
         (lambda p: p.mkdir(), r"is a folder, not a file"),
         (lambda p: None, r"does not exist"),
     ],
-    ids=["magic", "version", "short", "counts", "empty", "folder", "missing"],
+    ids=["magic", "version", "short", "counts", "value-type", "empty", "folder", "missing"],
 )
 def test_bad_gguf_files_are_named(tmp_path, content, match):
     path = tmp_path / "model.gguf"
@@ -90,6 +129,7 @@ def test_a_good_checkpoint_passes_as_given(checkpoint):
         (lambda f: (f / "config.json").write_text('{"hidden_size": 8}'), "config.json", r"has no `model_type`"),
         (lambda f: (f / "config.json").write_text("[1]"), "config.json", r"holds a JSON list, not an object"),
         (lambda f: (f / "tokenizer.json").write_text("{"), "tokenizer.json", r"is not valid JSON"),
+        (lambda f: _replace_with_folder(f / "config.json"), "config.json", r"is a folder, not a file"),
         (
             lambda f: (f / "model.safetensors").unlink(),
             "",
@@ -105,6 +145,7 @@ def test_a_good_checkpoint_passes_as_given(checkpoint):
         "no-model-type",
         "config-list",
         "tokenizer-json",
+        "config-folder",
         "no-weights",
     ],
 )
