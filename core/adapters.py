@@ -12,7 +12,7 @@ import torch
 from peft import PeftConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.utils import PeftType, load_peft_weights
 
-from mergecompose.core.sources import check_adapter_source
+from mergecompose.core.boundary import check_adapter
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 # "base_model.model.<module path>.lora_A.weight" (adapter_name stripped on save).
@@ -22,7 +22,7 @@ _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>
 def read_adapter(source: object, argument: str = "adapter") -> tuple[PeftConfig, dict[str, torch.Tensor]]:
     """Return (config, state dict) of an adapter given as a folder, a hub id or a PeftModel.
 
-    A folder or hub id is checked first (`mergecompose.core.sources.check_adapter_source`): a missing
+    A folder or hub id is checked first (`mergecompose.core.boundary.check_adapter`): a missing
     folder, a full checkpoint or a hub id offline mode cannot load is named with `argument`.
     """
     if isinstance(source, PeftModel):
@@ -30,7 +30,7 @@ def read_adapter(source: object, argument: str = "adapter") -> tuple[PeftConfig,
         return source.peft_config[name], get_peft_model_state_dict(source, adapter_name=name)
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"`{argument}` must be a folder, a hub id or a PeftModel, got {type(source).__name__}")
-    source = check_adapter_source(source, argument)
+    source = check_adapter(source, argument)
     config = PeftConfig.from_pretrained(source)
     return config, load_peft_weights(source, device="cpu")
 
@@ -123,7 +123,13 @@ def load_adapters_on_base(base_model: torch.nn.Module, adapters: Mapping[str, ob
     left as it was before the error is raised. `PeftModel.unload()` (no merge) undoes a success.
     """
     names = list(adapters)
+    if not names:
+        raise ValueError("`adapters` must name at least one adapter (name -> folder, hub id or PeftModel), got none")
     check_adapter_names(names)
+    for name in names:  # every folder checked before the first one is injected
+        source = adapters[name]
+        if isinstance(source, (str, os.PathLike)):
+            check_adapter(os.fspath(source), f"adapters[{name!r}]")
     flags = TrainingFlags(base_model)
     peft_model: PeftModel | None = None
     try:

@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from mergecompose.core.boundary import safetensors_problem  # noqa: F401 - its old home; experiments import it
+from mergecompose.core.boundary import (
+    InputFileError,
+    check_text_file,
+    safetensors_problem,  # noqa: F401 - its old home; experiments import it
+)
 from mergecompose.core.locks import pid_running
 
 if TYPE_CHECKING:
@@ -224,33 +228,25 @@ def markdown_table(
 
 
 def read_utf8(path: str | os.PathLike, what: str = "file") -> str:
-    """The text of `path`; a byte that is not UTF-8 is reported with the file, the line and the byte."""
-    data = Path(path).read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise ValueError(
-            f"{what} {str(path)!r} is not UTF-8 text: byte {data[error.start : error.start + 1]!r} on line {line} "
-            f"({error.reason}); save it as UTF-8"
-        ) from None
+    """The text of `path`, after the loading boundary's check (`check_text_file`): a readable, non-empty regular
+    file of UTF-8 text; a byte that is not UTF-8 is reported with the file, the line and the byte."""
+    return check_text_file(path, what).read_text(encoding="utf-8")
 
 
 def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
-    """The mapping in the YAML file `path` (`yaml.safe_load`); errors name `what`, the file and what was found."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{what} file {str(path)!r} is a folder; give the path of a YAML file")
-    if not path.is_file():
-        raise ValueError(f"{what} file {str(path)!r} does not exist")
+    """The mapping in the YAML file `path` (`yaml.safe_load`); an `InputFileError` names `what`, the file and what
+    was found (a folder, nothing, an empty file, text that is not UTF-8 or not YAML, a list)."""
+    expected = "a YAML file with a mapping of settings"
+    argument = what.replace("`", "")
     try:
-        data = yaml.safe_load(read_utf8(path, f"{what} file"))
+        data = yaml.safe_load(read_utf8(path, argument))
+    except InputFileError as error:
+        raise InputFileError(argument, path, error.problem, expected) from None
     except yaml.YAMLError as error:
-        raise ValueError(f"{what} file {str(path)!r} is not valid YAML: {' '.join(str(error).split())}") from None
+        raise InputFileError(argument, path, f"is not valid YAML: {' '.join(str(error).split())}", expected) from None
     if not isinstance(data, dict):
-        raise ValueError(
-            f"{path}: the top level of the {what} must be a mapping of settings, got {type(data).__name__}"
-        )
+        found = "nothing but comments" if data is None else f"a {type(data).__name__} at the top level"
+        raise InputFileError(argument, path, f"holds {found}", expected)
     return data
 
 

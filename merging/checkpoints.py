@@ -18,9 +18,11 @@ import difflib
 import math
 import os
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 from safetensors import safe_open
@@ -37,6 +39,7 @@ from mergecompose.merging.state_dicts import check_finite
 if TYPE_CHECKING:
     from mergekit.common import ModelReference
     from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
     from typing_extensions import Self
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -179,6 +182,69 @@ def load_merge_config(config: MergeConfigSource) -> tuple[dict, CheckpointMergeC
     raise ValueError(f"`config` has neither `merge_method` (mergekit) nor `method` (ours); keys: {sorted(config)}")
 
 
+@dataclass(frozen=True)
+class PreparedMerge:
+    """A merge checked and ready for mergekit: its configuration, the mergekit-schema dict, our config (if it
+    was ours) and mergekit's options."""
+
+    configuration: MergeConfiguration
+    mergekit_dict: dict
+    ours: CheckpointMergeConfig | None
+    options: MergeOptions
+
+
+def prepare_merge(
+    config: MergeConfigSource,
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
+    *,
+    options: Mapping | None = None,
+    allow_nonfinite: bool = False,
+) -> PreparedMerge:
+    """Every check `merge_checkpoints` makes before mergekit runs, and nothing written: the config (ours or
+    mergekit's), every model and adapter through the loading boundary, the checkpoints' agreement and (unless
+    `allow_nonfinite`) finiteness, the output folder against the inputs, and mergekit's options (a `device`
+    this machine lacks is refused here, not in mergekit). `mergecompose merge --check` runs this alone."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.options import MergeOptions
+
+    mergekit_dict, ours = load_merge_config(config)
+    try:
+        merge_configuration = MergeConfiguration.model_validate(mergekit_dict)
+    except (ValidationError, RuntimeError) as error:  # mergekit's own validators raise RuntimeError
+        raise ValueError(f"the merge config is not valid for mergekit: {' '.join(str(error).split())}") from None
+    models = {}
+    for label, reference in _labelled_models(merge_configuration):
+        # mergekit takes a missing local folder for a hub id, and an adapter for a broken model; say what is wrong.
+        models[label] = check_checkpoint(str(reference.model.path), label, adapter_hint=_ADAPTER_HINT)
+        if reference.lora is not None:
+            check_adapter(str(reference.lora.path), f"{label} (its LoRA)")
+    vocabulary_may_differ = bool(mergekit_dict.get("tokenizer_source") or mergekit_dict.get("tokenizer"))
+    check_checkpoints(
+        {label: path for label, path in models.items() if is_local(path)}, allow_nonfinite, vocabulary_may_differ
+    )
+    sources = list(models.values())
+    config_file = [config] if isinstance(config, (str, os.PathLike)) else []
+    refuse_output_over_inputs(out_dir, [*sources, *config_file])
+    refuse_existing(out_dir, overwrite)
+    defaults: dict[str, Any] = {"copy_tokenizer": _has_tokenizer(mergekit_dict), "quiet": False}
+    seed = (ours.model_extra or {}).get("seed") if ours is not None else None
+    if seed is not None:
+        defaults["random_seed"] = seed
+    try:
+        merge_options = MergeOptions(**{**defaults, **dict(options or {})})
+    except ValidationError as error:
+        raise readable_error(error, MergeOptions, "mergekit's options") from None
+    _check_device(merge_options.device)
+    return PreparedMerge(merge_configuration, mergekit_dict, ours, merge_options)
+
+
+def _check_device(device: str) -> None:
+    """Refuse a mergekit `device` this machine does not have (mergekit fails on it deep inside with an assertion)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"mergekit's `device` {device!r} needs CUDA, which this machine lacks; use 'cpu'")
+
+
 def merge_checkpoints(
     config: MergeConfigSource,
     out_dir: str | os.PathLike,
@@ -206,35 +272,12 @@ def merge_checkpoints(
     it loads with `AutoModelForCausalLM.from_pretrained`.
     """
     from mergekit.card import generate_card
-    from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
-    from mergekit.options import MergeOptions
 
-    mergekit_dict, ours = load_merge_config(config)
-    try:
-        merge_configuration = MergeConfiguration.model_validate(mergekit_dict)
-    except (ValidationError, RuntimeError) as error:  # mergekit's own validators raise RuntimeError
-        raise ValueError(f"the merge config is not valid for mergekit: {' '.join(str(error).split())}") from None
-    models = {}
-    for label, reference in _labelled_models(merge_configuration):
-        # mergekit takes a missing local folder for a hub id, and an adapter for a broken model; say what is wrong.
-        models[label] = check_checkpoint(str(reference.model.path), label, adapter_hint=_ADAPTER_HINT)
-        if reference.lora is not None:
-            check_adapter(str(reference.lora.path), f"{label} (its LoRA)")
-    vocabulary_may_differ = bool(mergekit_dict.get("tokenizer_source") or mergekit_dict.get("tokenizer"))
-    check_checkpoints(
-        {label: path for label, path in models.items() if is_local(path)}, allow_nonfinite, vocabulary_may_differ
-    )
-    sources = list(models.values())
-    config_file = [config] if isinstance(config, (str, os.PathLike)) else []
-    refuse_output_over_inputs(out_dir, [*sources, *config_file])
-    refuse_existing(out_dir, overwrite)
-    defaults: dict[str, Any] = {"copy_tokenizer": _has_tokenizer(mergekit_dict), "quiet": False}
-    seed = (ours.model_extra or {}).get("seed") if ours is not None else None
-    if seed is not None:
-        defaults["random_seed"] = seed
-    merge_options = MergeOptions(**{**defaults, **dict(options or {})})
+    prepared = prepare_merge(config, out_dir, overwrite, options=options, allow_nonfinite=allow_nonfinite)
+    merge_configuration, mergekit_dict, ours = prepared.configuration, prepared.mergekit_dict, prepared.ours
     config_source = yaml.safe_dump(mergekit_dict, sort_keys=False)
+    merge_options = prepared.options
     with atomic_output_dir(out_dir, overwrite) as folder:
         run_merge(merge_configuration, str(folder), merge_options, config_source=config_source)
         if (

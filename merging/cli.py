@@ -9,10 +9,10 @@ from pathlib import Path
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
+from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter
 from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.core.io import atomic_output_dir, markdown_table, refuse_existing
-from mergecompose.core.sources import check_model_source, source_kind
-from mergecompose.merging.checkpoints import load_merge_config, merge_checkpoints
+from mergecompose.merging.checkpoints import load_merge_config, merge_checkpoints, prepare_merge
 from mergecompose.merging.task_vector import TaskVector
 
 _ALLOW_NONFINITE = (
@@ -28,10 +28,10 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     merge.add_argument("config", help="a mergekit YAML file (merge_method: ...) or ours (method: ...)")
     merge.add_argument("out_dir", nargs="?", metavar="DIR", help=argparse.SUPPRESS)  # the older form of --out
-    add_common_flags(merge, out="output folder, written atomically")
+    add_common_flags(merge, out="output folder, written atomically", check=True)
     merge.add_argument("--allow-nonfinite", action="store_true", help=_ALLOW_NONFINITE)
     declare_paths(merge, configs=("config",), outputs=("out", "out_dir"))
-    merge.set_defaults(func=run_merge)
+    merge.set_defaults(func=run_merge, preflight=preflight_merge)
 
     task_vector = subparsers.add_parser(
         "task-vector", help="norm, per-layer norms and cosines of task vectors θ_ft − θ_base"
@@ -54,6 +54,14 @@ def merge_out_dir(args: argparse.Namespace) -> str:
     if args.out is None and args.out_dir is None:
         raise ValueError("the output folder is missing: give `--out DIR` (or the older `merge CONFIG DIR`)")
     return args.out if args.out is not None else args.out_dir
+
+
+def preflight_merge(args: argparse.Namespace) -> None:
+    """Every check of the merge before mergekit runs (`mergecompose.merging.checkpoints.prepare_merge`)."""
+    options = {"quiet": args.quiet}
+    prepare_merge(
+        args.config, merge_out_dir(args), args.overwrite, options=options, allow_nonfinite=args.allow_nonfinite
+    )
 
 
 def run_merge(args: argparse.Namespace) -> int:
@@ -79,10 +87,10 @@ def run_task_vector(args: argparse.Namespace) -> int:
     if args.out is not None:
         refuse_existing(args.out, args.overwrite)  # before the work, not after
     labels = _labels(args.finetuned)
-    base = check_model_source(
+    base = check_checkpoint(
         args.base, "base", adapter_hint="give the adapter's base as `base` and the adapter after it"
     )
-    kinds = [source_kind(path, f"finetuned[{index}]") for index, path in enumerate(args.finetuned)]  # before any work
+    kinds = [check_model_or_adapter(path, f"finetuned[{index}]") for index, path in enumerate(args.finetuned)]
     task_vectors = {}
     base_model = None
     for label, path, kind in zip(labels, args.finetuned, kinds):

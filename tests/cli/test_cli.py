@@ -117,7 +117,7 @@ def test_missing_config_files(tmp_path, capsys):
         "overlap-sweep": (["overlap-sweep", missing, "--out", out], "does not exist"),
         "compare": (["compare", missing, "--out", out], "does not exist"),
         "skills-sweep": (["skills-sweep", missing, "--out", out], "does not exist"),
-        "overlap": (["overlap", "--config", missing], "`--config` overlap config file"),
+        "overlap": (["overlap", "--config", missing], "`--config overlap config`"),
     }
     for command, (arguments, message) in cases.items():
         assert main(arguments) == 2, command
@@ -229,7 +229,8 @@ def test_installed_entry_point(tmp_path):
     arguments = ["compare", str(tmp_path / "missing.yaml"), "--out", str(tmp_path / "out")]
     plain = subprocess.run([str(ENTRY_POINT), *arguments], capture_output=True, text=True, cwd=tmp_path)
     assert plain.returncode == 2
-    assert plain.stderr.splitlines() == [f"mergecompose compare: error: config file {arguments[1]!r} does not exist"]
+    expected = f"`config` {arguments[1]!r}: does not exist; expected a YAML file with a mapping of settings"
+    assert plain.stderr.splitlines() == [f"mergecompose compare: error: {expected}"]
     debug = subprocess.run([str(ENTRY_POINT), "--debug", *arguments], capture_output=True, text=True, cwd=tmp_path)
     assert debug.returncode == 1
-    assert "Traceback (most recent call last)" in debug.stderr and "ValueError: config file" in debug.stderr
+    assert "Traceback (most recent call last)" in debug.stderr and "InputFileError: `config`" in debug.stderr

@@ -59,7 +59,7 @@ import mergecompose
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.cli import build_parser, main
 from mergecompose.composition import ComposedLM
-from mergecompose.core import adapters, boundary, cli_common
+from mergecompose.core import adapters, boundary
 from mergecompose.core import io as core_io
 from mergecompose.core.boundary import InputFileError
 from mergecompose.core.tiny import random_llama, tiny_llama_config
@@ -303,12 +303,6 @@ RECIPES: dict[str, Recipe] = {
     "mergecompose.core.io.load_yaml_config": Recipe(
         "config", "", lambda p: lambda: core_io.load_yaml_config(p.config, CheckpointMergeConfig)
     ),
-    "mergecompose.core.cli_common.paths_named_in": Recipe(
-        "config", "", lambda p: lambda: cli_common.paths_named_in(p.config)
-    ),
-    "mergecompose.core.cli_common.outputs_named_in": Recipe(
-        "config", "", lambda p: lambda: cli_common.outputs_named_in(p.config)
-    ),
     "mergecompose.experiments.load_config": Recipe("config", "", lambda p: lambda: load_config(p.config)),
     "mergecompose.integrations.gguf.convert.check_convertible": Recipe(
         "gguf", "", lambda p: lambda: convert.check_convertible(p.gguf)
@@ -322,6 +316,10 @@ _IN_MEMORY = "takes models, tensors or settings already in memory; the parameter
 _WRITES = "writes or locks an output folder; it reads no user file"
 _NAMES_ONLY = "tells what a path is (a folder, an adapter, a hub id) from its name and listing; contents: core.boundary"
 _COMPONENT = "its `source` names a component ('base', 'composed'), not a file"
+_SCANS = (
+    "scans a config for the paths it names, to keep outputs off them; a config it cannot read names none, and the "
+    "command's own loader refuses it (cli:compare, cli:merge, … have recipes)"
+)
 DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "cli:demo": "builds its tiny base and adapters itself, in a temporary folder",
     "cli:fetch-model": "downloads a registry model's wheels and checks them by their registry sha256",
@@ -332,6 +330,8 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "mergecompose.core.boundary.safetensors_problem": "check_safetensors_file's check returned as text, for callers "
     "that have already opened the file",
     "mergecompose.core.cli_common.check_free_disk": _WRITES,
+    "mergecompose.core.cli_common.paths_named_in": _SCANS,
+    "mergecompose.core.cli_common.outputs_named_in": _SCANS,
     "mergecompose.core.io.atomic_save_figure": _WRITES,
     "mergecompose.core.io.atomic_write": _WRITES,
     "mergecompose.core.io.atomic_write_text": _WRITES,

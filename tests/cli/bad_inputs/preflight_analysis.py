@@ -198,7 +198,7 @@ CASES = [
         "preflight-predict-compare-relative-to-config",
         "traceback",
         _predict(None, name="missing.yaml"),
-        r"family 'letters': `compare` config file '.*/cfg/missing\.yaml' does not exist",
+        r"family 'letters': compare config` '.*/cfg/missing\.yaml': does not exist",
     ),
     Case(
         "preflight-predict-compare-invalid",
