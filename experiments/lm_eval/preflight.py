@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter
+from mergecompose.core.cli_common import check_free_disk
 from mergecompose.core.sources import ADAPTER_CONFIG, CONFIG, is_local
 from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.lm_eval.catalog import check_task_files, leaf_configs, metric_names, task_kind
@@ -58,6 +59,19 @@ def preflight(config: LmEvalCompareConfig, out_dir, overwrite: bool = False, con
     new, this config's or replaceable, and `check_before_work`."""
     RunFolder(Path(out_dir), LM_EVAL_FOLDER).check(fingerprint(config), overwrite)
     check_before_work(config, config_path)
+    merges = sum(len(list(grid.candidates())) for grid in config.merges.values())
+    size = checkpoint_bytes(config.base)
+    if merges and size:
+        check_free_disk(out_dir, merges * size, f"the {merges} merges of this comparison (each the size of the base)")
+
+
+def checkpoint_bytes(source: str) -> int:
+    """The bytes of a local checkpoint's weight files (safetensors or .bin), 0 for a hub id (its size is unknown
+    here without a download)."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        return 0
+    return sum(path.stat().st_size for pattern in ("*.safetensors", "*.bin") for path in folder.glob(pattern))
 
 
 # What a run folder may hold besides results.json before it counts as someone else's folder.

@@ -158,6 +158,18 @@ CASES = [
         _task_vector_times(-1e300, left=True),
         r"must keep it finite, got -1e\+300: tensor `.*` .* overflows torch\.float32",
     ),
+    Case(
+        "task-vector-times-nan",
+        "silent",
+        _task_vector_times(float("nan")),
+        r"the scalar a task vector is multiplied by must be a finite real number, got nan",
+    ),
+    Case(
+        "inf-times-task-vector",
+        "silent",
+        _task_vector_times(float("inf"), left=True),
+        r"must be a finite real number, got inf",
+    ),
     Case("generate-draft-lambda-1e300", "silent", _speculate_with_lambda([1e300]), DRAFT),
     Case("generate-lora-draft-lambda-1e300", "silent", _speculate_with_lambda([1e300], adapters=True), DRAFT),
 ]
