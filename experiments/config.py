@@ -339,9 +339,19 @@ def load_config(path: str | Path) -> BaseModel:
     task = data.get("task")
     task_type = task.get("type") if isinstance(task, dict) else None
     kind = COMPARE_KINDS.get(task_type) if isinstance(task_type, str) else None
+    if kind is None and task_type in OPTIONAL_COMPARE_KINDS:
+        extra = OPTIONAL_COMPARE_KINDS[task_type]
+        raise ValueError(
+            f"{path}: `task.type: {task_type}` needs the {extra} extra, which is not installed: "
+            f'pip install "mergecompose[{extra}]"'
+        )
     if kind is None:
         _check_no_other_kind(path, data)
     return load_yaml_config(path, CompareConfig if kind is None else kind.config)
+
+
+# Compare kinds that register themselves only when their optional extra is installed: task type -> extra.
+OPTIONAL_COMPARE_KINDS = {"lm_eval": "lm-eval"}
 
 
 def _check_no_other_kind(path: str | Path, data: dict) -> None:
