@@ -1,0 +1,445 @@
+"""Grade-school word problems with worked solutions that end in the answer line "The answer is N."
+
+Each template is one story with several steps; together they use all four operations, units
+(km, liters, grams, dollars, minutes, mm, ...) and names. The templates fall into three disjoint sets
+(`TEMPLATE_SPLITS`): train, validation (for choosing merges) and test, so that a held-out score
+measures the arithmetic in words, not a memorised story.
+
+Ranges, small enough for a 135M model: factors, divisors and addends are integers in 1..60, and every
+number in a question, every intermediate result and every answer is an integer in 0..999 (most below
+300); a division always comes out exact, nothing is negative. The
+numbers appear in the question in the order the template's docstring lists them (the tests recompute
+each answer from them). Problems are deterministic in `(split, count, seed)`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mergecompose.experiments.math_code.splits import check_count, check_split, distinct_draws
+
+ANSWER_LINE = "The answer is {answer}."
+MATH_INSTRUCTION = 'Solve it step by step and end with the line "The answer is N."'
+NAMES = (
+    "Maya", "Leo", "Ana", "Omar", "Lena", "Ravi", "Sofia", "Tom", "Aisha", "Ben",
+    "Mei", "Carlos", "Nora", "Ivan", "Zoe", "Kofi",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MathProblem:
+    """One word problem: `question`, its worked `solution` (ending in the answer line) and the `answer`."""
+
+    template: str
+    split: str
+    question: str
+    solution: str
+    answer: int
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.question}\n{MATH_INSTRUCTION}"
+
+
+Story = tuple[str, list[str], int]  # (question, worked steps, answer)
+
+
+def _solution(steps: list[str], answer: int) -> str:
+    return "\n".join([*steps, ANSWER_LINE.format(answer=answer)])
+
+
+# Train templates.
+
+
+def apples(rng: random.Random, name: str) -> Story:
+    """a + b * c - d: fruit bought in bags, some eaten."""
+    fruit = rng.choice(("apples", "oranges", "pears", "plums"))
+    a, b, c = rng.randint(2, 20), rng.randint(2, 6), rng.randint(2, 9)
+    d = rng.randint(1, a + b * c - 1)
+    bags, total = b * c, a + b * c
+    question = (
+        f"{name} has {a} {fruit}. {name} buys {b} bags with {c} {fruit} in each bag and then eats {d} {fruit}. "
+        f"How many {fruit} does {name} have now?"
+    )
+    steps = [
+        f"The bags hold {b} * {c} = {bags} {fruit}.",
+        f"With the {a} {fruit} from before, {name} has {a} + {bags} = {total} {fruit}.",
+        f"After eating {d}, {total} - {d} = {total - d} {fruit} are left.",
+    ]
+    return question, steps, total - d
+
+
+def cookies(rng: random.Random, name: str) -> Story:
+    """a * b / c: trays of cookies shared equally (b = c * k)."""
+    a, c, k = rng.randint(2, 6), rng.randint(2, 6), rng.randint(2, 5)
+    b = c * k
+    question = (
+        f"{name} bakes {a} trays with {b} cookies on each tray and shares all the cookies equally among "
+        f"{c} friends. How many cookies does each friend get?"
+    )
+    steps = [f"There are {a} * {b} = {a * b} cookies.", f"Each friend gets {a * b} / {c} = {a * k} cookies."]
+    return question, steps, a * k
+
+
+def train_trip(rng: random.Random, name: str) -> Story:
+    """a * b + c * d: two legs of a trip at two speeds."""
+    a, b, c, d = rng.randint(10, 60), rng.randint(2, 5), rng.randint(10, 60), rng.randint(2, 5)
+    vehicle = rng.choice(("train", "bus", "car"))
+    question = (
+        f"A {vehicle} travels at {a} km per hour for {b} hours and then at {c} km per hour for {d} hours. "
+        f"How many km does the {vehicle} travel in total?"
+    )
+    steps = [
+        f"The first part is {a} * {b} = {a * b} km.",
+        f"The second part is {c} * {d} = {c * d} km.",
+        f"In total {a * b} + {c * d} = {a * b + c * d} km.",
+    ]
+    return question, steps, a * b + c * d
+
+
+def notebooks(rng: random.Random, name: str) -> Story:
+    """a - b * c: money left after buying several things at one price."""
+    item = rng.choice(("notebooks", "pens", "books", "tickets"))
+    b, c = rng.randint(2, 8), rng.randint(2, 12)
+    a = b * c + rng.randint(0, 30)
+    question = f"{name} has {a} dollars and buys {b} {item} at {c} dollars each. How many dollars are left?"
+    steps = [f"The {item} cost {b} * {c} = {b * c} dollars.", f"{name} has {a} - {b * c} = {a - b * c} dollars left."]
+    return question, steps, a - b * c
+
+
+def reading(rng: random.Random, name: str) -> Story:
+    """d - (a * b + c): pages left in a book."""
+    a, b, c = rng.randint(5, 30), rng.randint(2, 7), rng.randint(1, 20)
+    d = a * b + c + rng.randint(1, 60)
+    read = a * b + c
+    question = (
+        f"{name} reads {a} pages a day for {b} days and then {c} more pages. The book has {d} pages. "
+        "How many pages are left to read?"
+    )
+    steps = [
+        f"In {b} days {name} reads {a} * {b} = {a * b} pages.",
+        f"With {c} more pages that is {a * b} + {c} = {read} pages.",
+        f"The pages left are {d} - {read} = {d - read}.",
+    ]
+    return question, steps, d - read
+
+
+def pencil_boxes(rng: random.Random, name: str) -> Story:
+    """a / b - c: items packed into boxes, some boxes sold (a = b * m)."""
+    b, m = rng.randint(2, 12), rng.randint(3, 20)
+    a, c = b * m, rng.randint(1, m - 1)
+    question = f"A shop packs {a} pencils into boxes of {b} pencils and sells {c} boxes. How many boxes are left?"
+    steps = [f"The shop has {a} / {b} = {m} boxes.", f"After selling {c}, {m} - {c} = {m - c} boxes are left."]
+    return question, steps, m - c
+
+
+def ages(rng: random.Random, name: str) -> Story:
+    """a * b + c: a parent's age in some years."""
+    a, b, c = rng.randint(3, 15), rng.randint(2, 4), rng.randint(2, 20)
+    parent = rng.choice(("mother", "father", "aunt", "uncle"))
+    question = (
+        f"{name} is {a} years old, and {name}'s {parent} is {b} times as old. "
+        f"How old will the {parent} be in {c} years?"
+    )
+    steps = [f"The {parent} is {a} * {b} = {a * b} years old.", f"In {c} years: {a * b} + {c} = {a * b + c} years."]
+    return question, steps, a * b + c
+
+
+def garden(rng: random.Random, name: str) -> Story:
+    """a * b - c + d: rows of plants, some die, some planted."""
+    a, b = rng.randint(2, 12), rng.randint(2, 12)
+    c, d = rng.randint(1, a * b), rng.randint(1, 30)
+    plant = rng.choice(("tomato plants", "tulips", "trees", "bushes"))
+    question = (
+        f"A garden has {a} rows of {b} {plant}. {c} of them die, and {name} plants {d} new ones. "
+        f"How many {plant} are in the garden now?"
+    )
+    steps = [
+        f"At first there are {a} * {b} = {a * b} {plant}.",
+        f"After {c} die, {a * b} - {c} = {a * b - c} are left.",
+        f"With {d} new ones: {a * b - c} + {d} = {a * b - c + d} {plant}.",
+    ]
+    return question, steps, a * b - c + d
+
+
+def savings_jars(rng: random.Random, name: str) -> Story:
+    """a * b / c: weekly savings split equally into jars (a = c * k)."""
+    c, k, b = rng.randint(2, 5), rng.randint(1, 6), rng.randint(2, 10)
+    a = c * k
+    question = (
+        f"{name} saves {a} dollars every week. After {b} weeks {name} splits the savings equally into {c} jars. "
+        "How many dollars go into each jar?"
+    )
+    steps = [f"{name} saves {a} * {b} = {a * b} dollars.", f"Each jar gets {a * b} / {c} = {k * b} dollars."]
+    return question, steps, k * b
+
+
+def water_tank(rng: random.Random, name: str) -> Story:
+    """a - b * c + d: bottles filled from a tank, then water added."""
+    b, c, d = rng.randint(2, 8), rng.randint(2, 5), rng.randint(1, 40)
+    a = b * c + rng.randint(5, 60)
+    question = (
+        f"A tank holds {a} liters of water. {name} fills {b} bottles of {c} liters each from the tank and "
+        f"then adds {d} liters. How many liters are in the tank now?"
+    )
+    steps = [
+        f"The bottles take {b} * {c} = {b * c} liters.",
+        f"The tank then holds {a} - {b * c} = {a - b * c} liters.",
+        f"After adding {d}: {a - b * c} + {d} = {a - b * c + d} liters.",
+    ]
+    return question, steps, a - b * c + d
+
+
+def piano(rng: random.Random, name: str) -> Story:
+    """a * b + 2 * a * c: practice on weekdays, twice as long on weekend days."""
+    a, b, c = rng.randint(5, 30), rng.randint(2, 5), rng.randint(1, 2)
+    weekend = 2 * a
+    question = (
+        f"{name} practises the piano for {a} minutes on each of {b} weekdays and for twice as long on each of "
+        f"{c} weekend days. How many minutes does {name} practise in total?"
+    )
+    steps = [
+        f"On weekdays: {a} * {b} = {a * b} minutes.",
+        f"A weekend day is {a} * 2 = {weekend} minutes, so {weekend} * {c} = {weekend * c} minutes.",
+        f"In total {a * b} + {weekend * c} = {a * b + weekend * c} minutes.",
+    ]
+    return question, steps, a * b + weekend * c
+
+
+def marbles(rng: random.Random, name: str) -> Story:
+    """a - b * c + d: marbles given to friends, then more found."""
+    b, c, d = rng.randint(2, 6), rng.randint(2, 6), rng.randint(1, 20)
+    a = b * c + rng.randint(0, 30)
+    question = (
+        f"{name} has {a} marbles, gives {b} marbles to each of {c} friends and then finds {d} more. "
+        f"How many marbles does {name} have now?"
+    )
+    steps = [
+        f"{name} gives away {b} * {c} = {b * c} marbles.",
+        f"That leaves {a} - {b * c} = {a - b * c} marbles.",
+        f"After finding {d}: {a - b * c} + {d} = {a - b * c + d} marbles.",
+    ]
+    return question, steps, a - b * c + d
+
+
+# Validation templates.
+
+
+def tickets(rng: random.Random, name: str) -> Story:
+    """a * c + b * d: adult and child tickets."""
+    a, b, c, d = rng.randint(5, 20), rng.randint(2, 10), rng.randint(1, 6), rng.randint(1, 8)
+    place = rng.choice(("museum", "zoo", "cinema", "concert"))
+    question = (
+        f"Tickets for the {place} cost {a} dollars for an adult and {b} dollars for a child. A group of {c} adults "
+        f"and {d} children buys tickets. How many dollars does the group pay?"
+    )
+    steps = [
+        f"The adults pay {a} * {c} = {a * c} dollars.",
+        f"The children pay {b} * {d} = {b * d} dollars.",
+        f"Together {a * c} + {b * d} = {a * c + b * d} dollars.",
+    ]
+    return question, steps, a * c + b * d
+
+
+def cake_slices(rng: random.Random, name: str) -> Story:
+    """(a * b - c) / d: slices left after a party, shared (the rest is d * k)."""
+    a, b, d, k = rng.randint(2, 5), rng.randint(6, 12), rng.randint(2, 5), rng.randint(1, 4)
+    c = a * b - d * k
+    if c < 1:
+        a, c = a + 2, (a + 2) * b - d * k
+    rest = a * b - c
+    question = (
+        f"{name} cuts {a} cakes into {b} slices each. The guests eat {c} slices, and the rest is shared equally "
+        f"by {d} people. How many slices does each person get?"
+    )
+    steps = [
+        f"There are {a} * {b} = {a * b} slices.",
+        f"After the guests, {a * b} - {c} = {rest} slices are left.",
+        f"Each person gets {rest} / {d} = {rest // d} slices.",
+    ]
+    return question, steps, rest // d
+
+
+def fuel(rng: random.Random, name: str) -> Story:
+    """a * b * c * d: fuel for trips over weeks, and its price."""
+    a, b, c, d = rng.randint(2, 5), rng.randint(2, 5), rng.randint(2, 4), rng.randint(2, 3)
+    trips = b * c
+    question = (
+        f"{name}'s car uses {a} liters of fuel on each trip. {name} makes {b} trips a week for {c} weeks, and fuel "
+        f"costs {d} dollars a liter. How many dollars does the fuel cost?"
+    )
+    steps = [
+        f"{name} makes {b} * {c} = {trips} trips.",
+        f"They use {a} * {trips} = {a * trips} liters.",
+        f"The fuel costs {a * trips} * {d} = {a * trips * d} dollars.",
+    ]
+    return question, steps, a * trips * d
+
+
+def school_teams(rng: random.Random, name: str) -> Story:
+    """(a * b - c) / d: students left after some leave, in teams (the rest is d * k)."""
+    a, b, d, k = rng.randint(2, 6), rng.randint(10, 25), rng.randint(2, 6), rng.randint(2, 10)
+    c = a * b - d * k
+    while c < 1:
+        a += 1
+        c = a * b - d * k
+    rest = a * b - c
+    question = (
+        f"A school has {a} classes with {b} students each. {c} students go home, and the others form teams of "
+        f"{d}. How many teams are there?"
+    )
+    steps = [
+        f"There are {a} * {b} = {a * b} students.",
+        f"After {c} go home, {a * b} - {c} = {rest} students stay.",
+        f"They make {rest} / {d} = {rest // d} teams.",
+    ]
+    return question, steps, rest // d
+
+
+def stamps(rng: random.Random, name: str) -> Story:
+    """a + (a + b) + c * a: three collections compared with one."""
+    a, b, c = rng.randint(3, 30), rng.randint(1, 20), rng.randint(2, 4)
+    question = (
+        f"{name} has {a} stamps. {name}'s brother has {b} more stamps than {name}, and {name}'s sister has {c} "
+        f"times as many as {name}. How many stamps do the three have together?"
+    )
+    steps = [
+        f"The brother has {a} + {b} = {a + b} stamps.",
+        f"The sister has {c} * {a} = {c * a} stamps.",
+        f"Together {a} + {a + b} + {c * a} = {a + a + b + c * a} stamps.",
+    ]
+    return question, steps, a + a + b + c * a
+
+
+def muffins(rng: random.Random, name: str) -> Story:
+    """a / b * c: flour scaled from one batch to another (a = b * k)."""
+    b, k, c = rng.randint(2, 12), rng.randint(5, 20), rng.randint(2, 20)
+    a = b * k
+    question = (
+        f"A recipe needs {a} grams of flour for {b} muffins. {name} wants to bake {c} muffins. "
+        "How many grams of flour does that need?"
+    )
+    steps = [f"One muffin needs {a} / {b} = {k} grams.", f"{c} muffins need {k} * {c} = {k * c} grams."]
+    return question, steps, k * c
+
+
+# Test templates.
+
+
+def farm_legs(rng: random.Random, name: str) -> Story:
+    """2 * a + 4 * b: legs of chickens and cows."""
+    a, b = rng.randint(2, 40), rng.randint(2, 40)
+    question = f"{name}'s farm has {a} chickens and {b} cows. How many legs do the animals have in all?"
+    steps = [
+        f"A chicken has 2 legs, so the chickens have {a} * 2 = {2 * a} legs.",
+        f"A cow has 4 legs, so the cows have {b} * 4 = {4 * b} legs.",
+        f"In all {2 * a} + {4 * b} = {2 * a + 4 * b} legs.",
+    ]
+    return question, steps, 2 * a + 4 * b
+
+
+def profit(rng: random.Random, name: str) -> Story:
+    """a * (c - b): pens bought at one price and sold at a higher one."""
+    a, b = rng.randint(2, 30), rng.randint(1, 10)
+    c = b + rng.randint(1, 8)
+    item = rng.choice(("pens", "cups", "kites", "hats"))
+    question = (
+        f"{name} buys {a} {item} for {b} dollars each and sells each one for {c} dollars. "
+        f"How many dollars of profit does {name} make?"
+    )
+    steps = [
+        f"{name} pays {a} * {b} = {a * b} dollars.",
+        f"{name} receives {a} * {c} = {a * c} dollars.",
+        f"The profit is {a * c} - {a * b} = {a * c - a * b} dollars.",
+    ]
+    return question, steps, a * c - a * b
+
+
+def empty_seats(rng: random.Random, name: str) -> Story:
+    """a * b - c - d: seats left after two stops."""
+    a, b = rng.randint(2, 10), rng.randint(10, 40)
+    c = rng.randint(1, a * b // 2)
+    d = rng.randint(1, a * b - c)
+    question = (
+        f"A train has {a} cars with {b} seats each. At the first stop {c} people get on, and at the second stop "
+        f"{d} more get on. How many seats are still empty?"
+    )
+    steps = [
+        f"The train has {a} * {b} = {a * b} seats.",
+        f"After the first stop {a * b} - {c} = {a * b - c} seats are empty.",
+        f"After the second stop {a * b - c} - {d} = {a * b - c - d} seats are empty.",
+    ]
+    return question, steps, a * b - c - d
+
+
+def pizza_bill(rng: random.Random, name: str) -> Story:
+    """b * c / a: a bill split equally among friends (c = a * k)."""
+    a, k, b = rng.randint(2, 6), rng.randint(2, 4), rng.randint(2, 8)
+    c = a * k
+    question = (
+        f"{name} and friends, {a} people in all, eat {b} pizzas that cost {c} dollars each and split the bill "
+        "equally. How many dollars does each person pay?"
+    )
+    steps = [f"The bill is {b} * {c} = {b * c} dollars.", f"Each person pays {b * c} / {a} = {b * k} dollars."]
+    return question, steps, b * k
+
+
+def crayons(rng: random.Random, name: str) -> Story:
+    """(a * b - c) / 2: half of what is left is given away (a * b - c is even)."""
+    a, b = rng.randint(2, 8), rng.randint(4, 12)
+    c = rng.randint(1, a * b - 2)
+    if (a * b - c) % 2:
+        c += 1
+    rest = a * b - c
+    question = (
+        f"{name} has {a} boxes of {b} crayons, loses {c} crayons and gives half of the rest to a friend. "
+        f"How many crayons does {name} keep?"
+    )
+    steps = [
+        f"{name} has {a} * {b} = {a * b} crayons.",
+        f"After losing {c}, {a * b} - {c} = {rest} are left.",
+        f"Half of them is {rest} / 2 = {rest // 2} crayons.",
+    ]
+    return question, steps, rest // 2
+
+
+def pool(rng: random.Random, name: str) -> Story:
+    """(a - b * c) / b: minutes until a pool is full (a = b * (c + r))."""
+    b, c, r = rng.randint(2, 12), rng.randint(2, 30), rng.randint(1, 30)
+    a = b * (c + r)
+    question = (
+        f"A pool holds {a} liters. A pump fills it with {b} liters per minute and has run for {c} minutes. "
+        "How many more minutes until the pool is full?"
+    )
+    steps = [
+        f"So far the pump has filled {b} * {c} = {b * c} liters.",
+        f"Still missing: {a} - {b * c} = {a - b * c} liters.",
+        f"That takes {a - b * c} / {b} = {r} more minutes.",
+    ]
+    return question, steps, r
+
+
+Template = Callable[[random.Random, str], Story]
+TEMPLATE_SPLITS: dict[str, tuple[Template, ...]] = {
+    "train": (
+        apples, cookies, train_trip, notebooks, reading, pencil_boxes,
+        ages, garden, savings_jars, water_tank, piano, marbles,
+    ),
+    "validation": (tickets, cake_slices, fuel, school_teams, stamps, muffins),
+    "test": (farm_legs, profit, empty_seats, pizza_bill, crayons, pool),
+}  # fmt: skip
+
+
+def math_split(split: str, count: int, seed: int = 0) -> list[MathProblem]:
+    """`count` problems with distinct questions from the templates of `split`, taken in turn."""
+    check_split(split)
+    check_count(count)
+    rng = random.Random(f"math/{split}/{seed}")
+
+    def draw(template: Template) -> MathProblem:
+        question, steps, answer = template(rng, rng.choice(NAMES))
+        return MathProblem(template.__name__, split, question, _solution(steps, answer), answer)
+
+    return distinct_draws(TEMPLATE_SPLITS[split], count, draw, lambda problem: problem.question)
