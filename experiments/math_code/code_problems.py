@@ -54,15 +54,18 @@ class CodeProblem:
         return f"check({self.function_name})"
 
 
+Case = tuple[tuple[object, ...], object]  # (arguments, expected result)
+
+
 @dataclass(frozen=True)
 class Spec:
     """What a template draws: the description, the two bodies and (arguments, expected) cases."""
 
     arguments: str
     description: str
-    body: str  # the reference's body, one `return` line
-    wrong: str
-    cases: list[tuple[tuple[object, ...], object]]  # (arguments, expected result)
+    body: str  # the reference's body after `def name(arguments):\n    `
+    wrong: str  # the near miss's body
+    cases: list[Case]
 
 
 def _numbers(rng: random.Random, low: int = 0, high: int = 30, size: tuple[int, int] = (0, 6)) -> list[int]:
@@ -75,9 +78,6 @@ def _word(rng: random.Random, letters: str = string.ascii_lowercase) -> str:
 
 def _sentence(rng: random.Random) -> str:
     return " ".join(_word(rng) for _ in range(rng.randint(1, 5)))
-
-
-Case = tuple[tuple[object, ...], object]  # (arguments, expected result)
 
 
 def _cases(solve: Callable[..., object], inputs: Sequence[tuple[object, ...]]) -> list[Case]:
