@@ -1,7 +1,7 @@
 """Optional pieces that make composition of many experts stable, each small and composable.
 
 The paper reports that composing more than two experts degraded generation, most likely
-through unstable end-of-sequence prediction. Three remedies, applied in this order by
+through unstable end-of-sequence prediction. The remedies, applied in this order by
 `compose_with_remedies`:
 
 1. `ActivityGate(threshold)`: expert i's weight at a position is 0 unless it is active there,
@@ -14,6 +14,16 @@ through unstable end-of-sequence prediction. Three remedies, applied in this ord
    log-prob (or the mean of the active experts' EOS log-probs, the base's where none is active)
    instead of the composed one; the other tokens keep their relative composed probabilities and
    share the rest of the mass.
+
+Two more change the rule itself for co-active experts (fine-tuned from one base, active on almost every
+token), applied to its output between 1 and 2 (at most one of them):
+
+* `SharedDelta()`: a change of log-prob that the experts share is counted once, not k times.
+* `SignConsensus(density)`: TIES's trim and sign election, per token on the experts' deltas.
+
+Both are per token (each token's score depends on that token's deltas alone), so they commute with the
+plausibility filter's mask: composing on its candidate set or on the whole vocabulary and then masking
+gives the same distribution.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mergecompose.composition.rule import (
+    LOGPROB_FLOOR,
     check_composition_arguments,
     check_scores,
     check_weights,
@@ -142,6 +153,119 @@ class TerminationRule:
         return torch.where(count > 0, mean_active, eos_logprobs[0])
 
 
+def floored_deltas(components: torch.Tensor) -> torch.Tensor:
+    """The experts' deltas `d_i = log p_i − log p_b`, each log-prob clamped to `LOGPROB_FLOOR` first.
+
+    Args:
+        components: `(k+1, ..., V)` log-probs, base first.
+    Returns:
+        `(k, ..., V)` finite deltas (the floor keeps -inf − -inf from being NaN, as the rule's floor does).
+    """
+    floored = components.clamp(min=LOGPROB_FLOOR)  # (k+1, ..., V)
+    return floored[1:] - floored[0]
+
+
+@dataclass(frozen=True)
+class SharedDelta:
+    """Count a change of log-prob that the experts share once instead of once per expert.
+
+    Per position and token v, over the experts with a positive exponent there (`A`; a gated expert
+    has exponent 0 and shares nothing), with the deltas `d_i(v) = log p_i(v) − log p_b(v)`:
+
+        s(v) = σ · min_{i∈A} |d_i(v)|   if every d_i(v), i ∈ A, has the same sign σ ≠ 0, else 0
+        log p̂ = log p_b + (max_{i∈A} w_i) · s + Σ_i w_i (d_i − [i∈A] s) − log Z
+
+    `s` is the largest change every expert makes in the same direction (the element-wise
+    minimum-magnitude agreeing component); it is applied once, at the largest weight that applies it,
+    and each expert adds only its specific part `d_i − s` at its weight. With weights 1:
+    `log p_b + s + Σ_i (d_i − s)`; the plain rule's scores plus `(max_{A} w_i − Σ_{A} w_i) · s`. So:
+
+    * one expert (or one with a positive exponent): the coefficient is 0, the plain rule;
+    * deltas with disjoint support (at each token at most one d_i ≠ 0): s = 0, the plain rule;
+    * identical experts at weight 1: s = d, the single expert.
+
+    The scores are computed on log-probs clamped to `LOGPROB_FLOOR`, as the rule clamps them; a token
+    the plain rule rules out (-inf from a component with a positive exponent) stays ruled out.
+    """
+
+    def scores(self, components: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+        """`(..., V)` the composed scores before renormalisation, `log p_b + (max_A w) · s + Σ_i w_i (d_i − [i∈A] s)`.
+
+        Args:
+            components: `(k+1, ..., V)` log-probs, base first.
+            exponents: `(k, ...)` the experts' exponents at each position (weights times gates).
+        """
+        deltas = floored_deltas(components)  # (k, ..., V)
+        weights = exponents.unsqueeze(-1)  # (k, ..., 1)
+        sharing = weights > 0  # (k, ..., 1): the experts in A
+        anyone = sharing.any(0)  # (..., 1)
+        all_up = ((deltas > 0) | ~sharing).all(0) & anyone  # (..., V)
+        all_down = ((deltas < 0) | ~sharing).all(0) & anyone
+        magnitude = torch.where(sharing, deltas.abs(), torch.inf).amin(0)  # (..., V), inf where A is empty
+        shared = torch.where(all_up, magnitude, torch.where(all_down, -magnitude, 0.0))  # (..., V)
+        specific = deltas - torch.where(sharing, shared, 0.0)  # (k, ..., V): 0 for identical experts
+        once = torch.where(sharing, weights, 0.0).amax(0)  # (..., 1): the largest weight in A (0 if A is empty)
+        return components[0].clamp(min=LOGPROB_FLOOR) + once * shared + (weights * specific).sum(0)
+
+
+@dataclass(frozen=True)
+class SignConsensus:
+    """TIES's trim and sign election (Yadav et al., 2023, arXiv:2306.01708), per token on log-prob deltas.
+
+    Per position and token v, with the contributions `c_i(v) = w_i · d_i(v)`,
+    `d_i = log p_i − log p_b`:
+
+    1. trim: for each expert and position keep its k = max(1, ⌊density · V⌋) largest |d_i| over the
+       vocabulary (ties with the k-th kept, as `merging.sparsify.magnitude_trim_global`), the rest 0;
+    2. elect: σ(v) = sgn(Σ_i ĉ_i(v)) over the trimmed contributions (an exact 0 elects +1, as
+       mergekit and peft do);
+    3. keep only the trimmed contributions of sign σ(v):
+       `log p̂ = log p_b + Σ_i ĉ_i [sgn ĉ_i = σ] − log Z`.
+
+    The kept contributions are summed, as in task arithmetic, not averaged (TIES's disjoint mean). The
+    sign is the contribution's, `w_i d_i`, so a negative weight votes with the change it actually
+    adds. One expert, or deltas with disjoint support, with density 1: nothing is dropped, the plain
+    rule. The scores are computed on log-probs clamped to `LOGPROB_FLOOR`; a token the plain rule rules
+    out stays ruled out.
+    """
+
+    density: float = 1.0
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.density, bool)
+            or not isinstance(self.density, (int, float))
+            or not (math.isfinite(self.density) and 0 < self.density <= 1)
+        ):
+            raise ValueError(
+                f"`density` must be in (0, 1] (the fraction of each expert's deltas kept), got {self.density!r}"
+            )
+
+    def kept(self, deltas: torch.Tensor) -> torch.Tensor:
+        """`(k, ..., V)` bool: the trimmed deltas, each expert's largest |d_i| at each position."""
+        if self.density >= 1:
+            return torch.ones_like(deltas, dtype=torch.bool)
+        magnitudes = deltas.abs()  # (k, ..., V)
+        count = max(1, int(self.density * deltas.shape[-1]))
+        threshold = magnitudes.topk(count, dim=-1).values[..., -1:]  # (k, ..., 1): the count-th largest
+        return magnitudes >= threshold
+
+    def scores(self, components: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+        """`(..., V)` the composed scores before renormalisation, `log p_b + Σ_i ĉ_i [sgn ĉ_i = σ]`.
+
+        Args:
+            components: `(k+1, ..., V)` log-probs, base first.
+            exponents: `(k, ...)` the experts' exponents at each position (weights times gates).
+        """
+        deltas = floored_deltas(components)  # (k, ..., V)
+        contributions = exponents.unsqueeze(-1) * deltas  # (k, ..., V)
+        kept = self.kept(deltas)
+        trimmed = torch.where(kept, contributions, 0.0)
+        elected = torch.where(trimmed.sum(0) >= 0, 1.0, -1.0)  # (..., V)
+        agreeing = torch.where(trimmed * elected >= 0, trimmed, 0.0)  # (k, ..., V); zeros agree with either sign
+        return components[0].clamp(min=LOGPROB_FLOOR) + agreeing.sum(0)
+
+
 # The rule the remedies wrap: `compose_logprobs` (checked) or `compose_logprobs_unchecked`.
 _Rule = Callable[[torch.Tensor, Sequence[torch.Tensor], torch.Tensor | None], torch.Tensor]
 
@@ -208,10 +332,19 @@ def step_composer(
 
 
 def check_remedies(remedies: Sequence[object], vocab_size: int) -> None:
-    """Refuse what is not a remedy, more than one `TerminationRule`, and an EOS id outside the vocabulary."""
-    unknown = [r for r in remedies if not isinstance(r, (ActivityGate, PlausibilityFilter, TerminationRule))]
+    """Refuse what is not a remedy, more than one `TerminationRule`, more than one of `SharedDelta` and
+    `SignConsensus`, and an EOS id outside the vocabulary."""
+    unknown = [r for r in remedies if not isinstance(r, _REMEDY_TYPES)]
     if unknown:
-        raise ValueError(f"unknown remedy {unknown[0]!r}; allowed: ActivityGate, PlausibilityFilter, TerminationRule")
+        raise ValueError(
+            f"unknown remedy {unknown[0]!r}; allowed: " + ", ".join(kind.__name__ for kind in _REMEDY_TYPES)
+        )
+    delta_rules = [r for r in remedies if isinstance(r, (SharedDelta, SignConsensus))]
+    if len(delta_rules) > 1:
+        raise ValueError(
+            "at most one of SharedDelta and SignConsensus can be given (each replaces how the deltas add up), "
+            f"got {', '.join(map(repr, delta_rules))}"
+        )
     terminations = [r for r in remedies if isinstance(r, TerminationRule)]
     if len(terminations) > 1:
         raise ValueError(f"at most one TerminationRule can be given, got {len(terminations)}")
@@ -221,6 +354,9 @@ def check_remedies(remedies: Sequence[object], vocab_size: int) -> None:
                 f"`TerminationRule.eos_token_id` must be below the vocabulary size {vocab_size}, "
                 f"got {termination.eos_token_id!r}"
             )
+
+
+_REMEDY_TYPES = (ActivityGate, SharedDelta, SignConsensus, PlausibilityFilter, TerminationRule)
 
 
 def _rule_with_argument_checks(
@@ -234,8 +370,10 @@ def _rule_with_argument_checks(
 def _compose(
     components: torch.Tensor, weights: Sequence[float] | None, remedies: Sequence[object], rule: _Rule
 ) -> torch.Tensor:
-    """The remedies around `rule`: gates set the exponents, filters and the termination rule change its output."""
+    """The remedies around `rule`: gates set the exponents; the delta rules, filters and the termination rule
+    change its output."""
     gates = [r for r in remedies if isinstance(r, ActivityGate)]
+    delta_rules = [r for r in remedies if isinstance(r, (SharedDelta, SignConsensus))]
     filters = [r for r in remedies if isinstance(r, PlausibilityFilter)]
     terminations = [r for r in remedies if isinstance(r, TerminationRule)]
     components = torch.log_softmax(components.float(), dim=-1)  # (k+1, ..., V)
@@ -252,6 +390,12 @@ def _compose(
             exponents = exponents * gate.active(components)
 
     composed = rule(components[0], list(components[1:]), exponents)  # (..., V)
+
+    for delta_rule in delta_rules:
+        # The rule's result says which tokens a component with a positive exponent rules out (and checks it).
+        expert_exponents = exponents if exponents is not None else torch.ones_like(components[1:, ..., 0])  # (k, ...)
+        scores = delta_rule.scores(components, expert_exponents)  # (..., V)
+        composed = torch.log_softmax(scores.masked_fill(torch.isneginf(composed), float("-inf")), dim=-1)
 
     for plausibility in filters:
         composed = torch.log_softmax(composed.masked_fill(~plausibility.allowed(components), float("-inf")), dim=-1)
@@ -282,7 +426,10 @@ class RemedySettings(BaseModel):
     * `gate`: `ActivityGate(threshold)`, in nats of `KL(p_i ‖ p_b)`;
     * `plausibility_alpha` / `plausibility_top_p`: `PlausibilityFilter(alpha, top_p)`;
     * `termination`: `TerminationRule(eos, source)`, "base" or "active" (with
-      `termination_threshold` as the activity threshold of "active").
+      `termination_threshold` as the activity threshold of "active");
+    * `shared_delta: true`: `SharedDelta()`, a change the experts share counted once;
+    * `sign_consensus: true`: `SignConsensus(sign_consensus_density)`, TIES's trim and sign election per token
+      (`sign_consensus_density` 1, the default, trims nothing). At most one of the two.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -292,6 +439,9 @@ class RemedySettings(BaseModel):
     plausibility_top_p: float | None = Field(None, gt=0, le=1)
     termination: Literal["base", "active"] | None = None
     termination_threshold: float = Field(0.1, ge=0)
+    shared_delta: bool = False
+    sign_consensus: bool = False
+    sign_consensus_density: float = Field(1.0, gt=0, le=1)
 
     @model_validator(mode="after")
     def _something(self) -> RemedySettings:
@@ -300,9 +450,19 @@ class RemedySettings(BaseModel):
             and self.plausibility_alpha is None
             and self.plausibility_top_p is None
             and self.termination is None
+            and not self.shared_delta
+            and not self.sign_consensus
         ):
             raise ValueError(
-                "a remedy set needs at least one of `gate`, `plausibility_alpha`, `plausibility_top_p`, `termination`"
+                "a remedy set needs at least one of `gate`, `plausibility_alpha`, `plausibility_top_p`, `termination`, "
+                "`shared_delta`, `sign_consensus`"
+            )
+        if self.shared_delta and self.sign_consensus:
+            raise ValueError("give `shared_delta` or `sign_consensus`, not both (each replaces how the deltas add up)")
+        if "sign_consensus_density" in self.model_fields_set and not self.sign_consensus:
+            raise ValueError(
+                f"`sign_consensus_density` ({self.sign_consensus_density}) needs `sign_consensus: true`, "
+                "which is not set"
             )
         return self
 
@@ -329,6 +489,10 @@ class RemedySettings(BaseModel):
         remedies: list = []
         if self.gate is not None:
             remedies.append(ActivityGate(self.gate))
+        if self.shared_delta:
+            remedies.append(SharedDelta())
+        if self.sign_consensus:
+            remedies.append(SignConsensus(self.sign_consensus_density))
         if self.plausibility_alpha is not None or self.plausibility_top_p is not None:
             remedies.append(PlausibilityFilter(alpha=self.plausibility_alpha, top_p=self.plausibility_top_p))
         if self.termination is not None:

@@ -27,7 +27,13 @@ from mergecompose.composition.acceptance import (
     round_outcomes,
     round_tokens,
 )
-from mergecompose.composition.remedies import ActivityGate, PlausibilityFilter, TerminationRule
+from mergecompose.composition.remedies import (
+    ActivityGate,
+    PlausibilityFilter,
+    SharedDelta,
+    SignConsensus,
+    TerminationRule,
+)
 from mergecompose.composition.sampling import sampling_warpers, warped_probabilities
 from mergecompose.composition.speculative import attention_bias
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
@@ -426,10 +432,16 @@ def test_greedy_speculation_with_lora_experts_rolls_back_the_shared_cache(implem
     assert 0 < lm.speculation_stats.accepted < lm.speculation_stats.tested  # both outcomes happened
 
 
-def test_greedy_speculation_with_remedies(base_model):
-    """Gate, plausibility filter and termination rule apply to the target at every verified position."""
+@pytest.mark.parametrize("delta_rule", [[], [SharedDelta()], [SignConsensus(0.25)]], ids=["plain", "shared", "sign"])
+def test_greedy_speculation_with_remedies(base_model, delta_rule):
+    """Gate, delta rule, plausibility filter and termination rule apply to the target at every verified position."""
     experts = [perturbed(base_model, 3, 0.5), perturbed(base_model, 4, 0.5), perturbed(base_model, 5, 0.5)]
-    remedies = [ActivityGate(1.0), PlausibilityFilter(alpha=0.05), TerminationRule(EOS, source="active", threshold=1.0)]
+    remedies = [
+        ActivityGate(1.0),
+        *delta_rule,
+        PlausibilityFilter(alpha=0.05),
+        TerminationRule(EOS, source="active", threshold=1.0),
+    ]
     lm = ComposedLM(base_model, experts, remedies=remedies)
     ids, mask = left_padded_batch([4, 6, 6], seed=9)
     plain, fast = greedy_pair(lm, ids, mask, max_new_tokens=20, eos_token_id=EOS, pad_token_id=PAD, num_draft_tokens=3)
