@@ -370,6 +370,9 @@ def _parameter_blocks(config: Mapping) -> Iterator[tuple[str, object]]:
 
 
 def _models_and_slices(block: Mapping, prefix: str) -> Iterator[tuple[str, object]]:
+    for key in ("models", "slices"):
+        if block.get(key) is not None and not isinstance(block[key], list):
+            raise ValueError(f"`{prefix}{key}` must be a list of mappings, got {block[key]!r}")
     for index, model in enumerate(block.get("models") or []):
         if isinstance(model, Mapping) and model.get("parameters") is not None:
             yield f"{prefix}models[{index}].parameters", model["parameters"]

@@ -151,6 +151,8 @@ class LmEvalCompareConfig(_Strict):
         if isinstance(data.get("letters_run"), dict | LettersRun):
             run = LettersRun.model_validate(data["letters_run"])
             data = {**run.system_fields(), **data}
+        elif "base" not in data:
+            raise ValueError("give the systems: `base` and `experts`, or `letters_run` to take them from a letters run")
         return data
 
     @field_validator("device")

@@ -31,3 +31,31 @@ CASES = [
     Case("overlap-sweep-config-is-a-folder", "misleading", _command(lambda f: ["overlap-sweep", f]), FOLDER),
     Case("skills-sweep-config-is-a-folder", "misleading", _command(lambda f: ["skills-sweep", f]), FOLDER),
 ]
+
+
+# ---- found by tests/cli/test_fuzz_configs.py (200 mutants per config) ----------------------------
+
+
+def merge_models_not_a_list(env):
+    path = env.tmp / "merge.yaml"
+    path.write_text(f"merge_method: ties\nbase_model: {env.checkpoints / 'base'}\nmodels: .nan\ndtype: float32\n")
+    return Cli(["merge", str(path), "--out", str(env.tmp / "out")], [path])
+
+
+def lm_eval_config_without_systems(env):
+    path = env.tmp / "lm_eval.yaml"
+    path.write_text("name: x\ntask: {type: lm_eval, names: [mine]}\ndevice: cpu\n")
+    return Cli(["compare", str(path), "--out", str(env.tmp / "out")], [path])
+
+
+CASES += [
+    Case(
+        "merge-models-not-a-list", "traceback", merge_models_not_a_list, r"`models` must be a list of mappings, got nan"
+    ),
+    Case(
+        "lm-eval-config-without-systems",
+        "misleading",
+        lm_eval_config_without_systems,
+        r"`base` and `experts`, or `letters_run`",
+    ),
+]
