@@ -439,9 +439,10 @@ class RemedySettings(BaseModel):
     plausibility_top_p: float | None = Field(None, gt=0, le=1)
     termination: Literal["base", "active"] | None = None
     termination_threshold: float = Field(0.1, ge=0)
-    shared_delta: bool = False
-    sign_consensus: bool = False
-    sign_consensus_density: float = Field(1.0, gt=0, le=1)
+    # Left out of dumps at their defaults, so that configs without them keep their hashes and round-trip.
+    shared_delta: bool = Field(False, exclude_if=lambda value: not value)
+    sign_consensus: bool = Field(False, exclude_if=lambda value: not value)
+    sign_consensus_density: float = Field(1.0, gt=0, le=1, exclude_if=lambda value: value == 1.0)
 
     @model_validator(mode="after")
     def _something(self) -> RemedySettings:
@@ -459,7 +460,7 @@ class RemedySettings(BaseModel):
             )
         if self.shared_delta and self.sign_consensus:
             raise ValueError("give `shared_delta` or `sign_consensus`, not both (each replaces how the deltas add up)")
-        if "sign_consensus_density" in self.model_fields_set and not self.sign_consensus:
+        if self.sign_consensus_density != 1.0 and not self.sign_consensus:
             raise ValueError(
                 f"`sign_consensus_density` ({self.sign_consensus_density}) needs `sign_consensus: true`, "
                 "which is not set"

@@ -22,7 +22,7 @@ def test_the_shipped_predict_config_passes_its_preflight_from_another_folder(tmp
     preflight_predict(config, path)  # every family and setting, each compare config read from configs/
     assert list(tmp_path.iterdir()) == []  # nothing written
     # Without the config's own path, a relative `compare` is read from the working directory: here, nowhere.
-    with pytest.raises(ValueError, match=r"family 'letters_coupled': `compare` config file 'letters\.yaml'"):
+    with pytest.raises(ValueError, match=r"family 'letters_coupled': compare config` 'letters\.yaml': does not exist"):
         preflight_predict(config)
 
 

@@ -216,7 +216,7 @@ def test_a_length_changing_skill_needs_contiguous_positions():
     tight = _double_config("contiguous")
     tight["positions"]["max_position"] = 69
     with pytest.raises(
-        ValueError, match=r"`positions.max_position` = 69 is too small for strings of length 20 .*\(needs 70 "
+        ValueError, match=r"`positions.max_position` = 69 is too small for strings of length 20, .*\(needs 70 "
     ):
         CompareConfig.model_validate(tight)
     tight["positions"]["max_position"] = 70

@@ -4,6 +4,7 @@ task vector, and a finite but huge `draft_lambda` whose merged draft is not fini
 
 from __future__ import annotations
 
+import copy
 import shutil
 
 import torch
@@ -91,7 +92,8 @@ def _speculate_with_lambda(lambdas, adapters=False):
 
     def build(env):
         if adapters:
-            composed = ComposedLM.from_adapters(env.base_model, {"ab": str(env.lora_dirs["ab"])})
+            # from_adapters injects the adapters into the base it is given: a copy, not the session's shared model
+            composed = ComposedLM.from_adapters(copy.deepcopy(env.base_model), {"ab": str(env.lora_dirs["ab"])})
         else:
             composed = ComposedLM(env.base_model, [random_llama(env.tiny_config, seed=1)])
         options = {"max_new_tokens": 2, "eos_token_id": [], "draft": "merged", "draft_lambda": lambdas}
