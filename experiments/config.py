@@ -339,7 +339,7 @@ def load_config(path: str | Path) -> BaseModel:
     task = data.get("task")
     task_type = task.get("type") if isinstance(task, dict) else None
     kind = COMPARE_KINDS.get(task_type) if isinstance(task_type, str) else None
-    if kind is None and task_type in OPTIONAL_COMPARE_KINDS:
+    if kind is None and isinstance(task_type, str) and task_type in OPTIONAL_COMPARE_KINDS:
         extra = OPTIONAL_COMPARE_KINDS[task_type]
         raise ValueError(
             f"{path}: `task.type: {task_type}` needs the {extra} extra, which is not installed: "

@@ -104,7 +104,7 @@ def register_task_type(name: str) -> Callable[[type[BaseModel]], type[BaseModel]
 
 def get_task_type(name: str) -> type[BaseModel]:
     """The settings model registered under `name`; an unknown name lists the valid ones."""
-    if name not in _REGISTRY:
+    if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown task type {name!r}; valid: {sorted(_REGISTRY)}")
     return _REGISTRY[name]
 

@@ -48,7 +48,14 @@ def lm_eval_config_without_systems(env):
     return Cli(["compare", str(path), "--out", str(env.tmp / "out")], [path])
 
 
+def compare_task_type_a_mapping(env):
+    path = env.tmp / "config.yaml"
+    path.write_text("name: x\ntask: {type: {a: 1}}\n")
+    return Cli(["compare", str(path), "--out", str(env.tmp / "out")], [path])
+
+
 CASES += [
+    Case("compare-task-type-a-mapping", "traceback", compare_task_type_a_mapping, r"unknown task type \{'a': 1\}"),
     Case(
         "merge-models-not-a-list", "traceback", merge_models_not_a_list, r"`models` must be a list of mappings, got nan"
     ),
