@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
+from mergecompose.composition.records import shared_vocabulary, tokenizer_size
+
 # Config fields that hold the number of positions a model was built for, in the order looked up.
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")
 
@@ -21,16 +23,14 @@ def vocab_size(model: PreTrainedModel) -> int:
     return int(model.config.vocab_size)
 
 
-def check_vocabularies(base_model: PreTrainedModel, expert_models: Sequence[PreTrainedModel]) -> None:
-    """Refuse an expert whose output distribution has another size than the base's."""
-    base_vocab = vocab_size(base_model)
-    for index, expert in enumerate(expert_models):
-        expert_vocab = vocab_size(expert)
-        if expert_vocab != base_vocab:
-            raise ValueError(
-                f"vocabulary size mismatch: `expert_models[{index}]` has {expert_vocab} output "
-                f"tokens, `base_model` has {base_vocab}; experts must share the base's vocabulary"
-            )
+def check_vocabularies(
+    base_model: PreTrainedModel, expert_models: Sequence[PreTrainedModel], tokenizer: object = None
+) -> int:
+    """The vocabulary the composition runs over (`shared_vocabulary`): the base's, or, when some models carry
+    padded rows beyond every id of `tokenizer`, the smallest size; else a ValueError names both sizes."""
+    sizes = [("`base_model`", vocab_size(base_model))]
+    sizes += [(f"`expert_models[{index}]`", vocab_size(expert)) for index, expert in enumerate(expert_models)]
+    return shared_vocabulary(sizes, tokenizer_size(tokenizer))
 
 
 def context_length(model: torch.nn.Module) -> int | None:

@@ -31,6 +31,7 @@ from mergecompose.composition.loading import (
     load_tokenizer,
     names_from_paths,
 )
+from mergecompose.composition.records import check_saved_tensors_fit, checkpoint_vocabulary, with_vocabulary
 from mergecompose.composition.remedies import compose_with_remedies, step_composer
 from mergecompose.composition.rule import check_weights
 from mergecompose.composition.sampling import NAN_COMPOSITION, Sampler, sample
@@ -38,7 +39,7 @@ from mergecompose.composition.separate_models import SeparateModels
 from mergecompose.composition.shared_adapters import SharedAdapters
 from mergecompose.composition.speculative import SpeculationStats, speculative_decode
 from mergecompose.composition.stops import Stopping, special_ids, stop_criteria
-from mergecompose.core.adapters import check_adapter_names
+from mergecompose.core.adapters import check_adapter_names, warn_if_made_for_another_base
 from mergecompose.core.boundary import check_checkpoint
 
 _CLOSED = "this ComposedLM was closed and has given its models back; build a new one to compose again"
@@ -57,7 +58,11 @@ class ComposedLM:
 
     Args:
         base_model: a transformers causal LM.
-        expert_models: k causal LMs with the base's vocabulary.
+        expert_models: k causal LMs with the base's vocabulary. Checkpoints with padded rows (embeddings resized
+            to a multiple of 64) compose over the vocabulary they share, when every id of the tokenizer lies
+            below it: the padded ids are ruled out (log-prob −inf) and each component renormalises over the
+            shared ids; the models with more rows are replaced by views cut to it (`with_vocabulary`, nothing
+            copied, the given models unchanged). Any other size mismatch is refused naming both sizes.
         weights: k exponents, default 1.0 each.
         tokenizers: optional tokenizers, one per component (base first) or a single one for all;
             when several are given their vocabularies must agree.
@@ -79,11 +84,11 @@ class ComposedLM:
     ) -> None:
         if len(expert_models) == 0:
             raise ValueError("`expert_models` must hold at least one model, got an empty sequence")
-        check_vocabularies(base_model, expert_models)
         if names is None:
             names = [f"expert_{index}" for index in range(len(expert_models))]
         self._configure(base_model, len(expert_models), names, weights, tokenizers, remedies)
-        self._backend = SeparateModels([base_model, *expert_models])
+        vocabulary = check_vocabularies(base_model, expert_models, self.tokenizer)
+        self._backend = SeparateModels([with_vocabulary(model, vocabulary) for model in [base_model, *expert_models]])
 
     def _configure(
         self,
@@ -132,8 +137,27 @@ class ComposedLM:
         of it: same modules, parameters, flags and outputs as before. `lora_implementation` picks
         how the experts run in one batched pass (see `SharedAdapters`); "stacked" falls back to
         "peft" for what it does not support (DoRA, LoRA on embeddings).
+
+        An adapter whose recorded base (`base_model_name_or_path`) clearly names another model than
+        `base_model` (its `name_or_path`) gets a UserWarning naming both, before anything is injected
+        (`mergecompose.core.adapters.is_other_base`); nothing recorded, nothing said.
         """
         check_adapter_arguments(adapters, names, lora_implementation)
+        for name, adapter in adapters.items():
+            warn_if_made_for_another_base(adapter, base_model, f"adapters[{name!r}]")
+        return cls._on_shared_base(base_model, adapters, weights, tokenizer, lora_implementation, remedies)
+
+    @classmethod
+    def _on_shared_base(
+        cls,
+        base_model: PreTrainedModel,
+        adapters: Mapping[str, object],
+        weights: Sequence[float] | None,
+        tokenizer: PreTrainedTokenizerBase | None,
+        lora_implementation: str,
+        remedies: Sequence[object],
+    ) -> ComposedLM:
+        """`from_adapters` after its checks."""
         self = cls.__new__(cls)
         self._configure(base_model, len(adapters), list(adapters), weights, tokenizer, remedies)
         self._backend = SharedAdapters(base_model, adapters, lora_implementation)
@@ -160,6 +184,15 @@ class ComposedLM:
 
         `names` default to the folder names (made unique with the index if they repeat); with
         all adapters they must also be valid peft adapter names.
+
+        Before any weights load: config.json's `vocab_size` of the base and each full expert, against the
+        base's tokenizer, decides the vocabulary (see the class docstring: padded rows beyond the tokenizer
+        are ruled out, any other mismatch is refused naming the checkpoint and both sizes); an adapter that
+        saves resized embeddings (`modules_to_save`) is refused naming both sizes (`check_saved_tensors_fit`);
+        and one whose recorded base clearly names another model than `base` gets a UserWarning (see
+        `from_adapters`).
+        A full checkpoint records no base it was fine-tuned from: an expert fine-tuned from another model
+        of the same shapes and vocabulary cannot be detected.
         """
         if len(experts) == 0:
             raise ValueError("`experts` must name at least one checkpoint or adapter, got none")
@@ -169,14 +202,18 @@ class ComposedLM:
         names = check_names(names_from_paths(experts) if names is None else names, len(experts))
         if all(is_adapter):
             check_adapter_names(names)
+            check_adapter_arguments(dict(zip(names, experts)), None, lora_implementation)
+        tokenizer = load_tokenizer(base)
+        checkpoint_vocabulary(base, experts, is_adapter, tokenizer, model_kwargs.get("trust_remote_code", False))
+        for index, (expert, adapter) in enumerate(zip(experts, is_adapter)):
+            if adapter:
+                check_saved_tensors_fit(base, expert, f"experts[{index}]")
+                warn_if_made_for_another_base(expert, base, f"experts[{index}]")
         model_kwargs = attention_that_caps(base, model_kwargs)
         base_model = AutoModelForCausalLM.from_pretrained(base, **model_kwargs).eval()
-        tokenizer = load_tokenizer(base)
         if all(is_adapter):
             adapters = dict(zip(names, experts))
-            return cls.from_adapters(
-                base_model, adapters, weights, tokenizer, lora_implementation=lora_implementation, remedies=remedies
-            )
+            return cls._on_shared_base(base_model, adapters, weights, tokenizer, lora_implementation, remedies)
         expert_models, tokenizers = load_experts(base, experts, is_adapter, model_kwargs, tokenizer)
         return cls(base_model, expert_models, weights, tokenizers, remedies=remedies, names=names)
 

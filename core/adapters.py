@@ -3,20 +3,29 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import cast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 from peft import PeftConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.utils import PeftType, load_peft_weights
 
-from mergecompose.core.boundary import check_adapter
+from mergecompose.core import sources
+from mergecompose.core.boundary import check_adapter, check_json_file
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 # "base_model.model.<module path>.lora_A.weight" (adapter_name stripped on save).
 _LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.weight$")
+# Where a base folder records which model it is: config.json's `_name_or_path` (older transformers wrote it) and
+# the provenance file of `mergecompose fetch-model` / `convert-gguf` (integrations/gguf; core reads it by name).
+_PROVENANCE_FILE = "conversion.json"
+_HUB_CACHE_FOLDER = re.compile(r"^models--(?P<owner>.+?)--(?P<name>.+)$")  # huggingface_hub's cache layout
 
 
 def read_adapter(source: object, argument: str = "adapter") -> tuple[PeftConfig, dict[str, torch.Tensor]]:
@@ -61,6 +70,7 @@ def check_adapter_fits(
     for key, tensor in state_dict.items():
         match = _LORA_KEY.match(key)
         if match is None:
+            _check_saved_whole(name, key, tensor, modules)
             continue
         module_path = match["module"]
         module = modules.get(module_path)
@@ -86,6 +96,159 @@ def check_adapter_fits(
                 f"{tuple(tensor.shape)}, but the base's `{module_path}.weight` has shape "
                 f"{tuple(weight.shape)}"
             )
+
+
+def recorded_base(adapter: object, argument: str = "adapter") -> str | None:
+    """The base an adapter records (`base_model_name_or_path` in adapter_config.json), or None if none is.
+
+    `adapter` is a folder or hub id (checked first, `check_adapter`; only its config is read) or a PeftModel."""
+    if isinstance(adapter, PeftModel):
+        value = adapter.peft_config[adapter.active_adapter].base_model_name_or_path
+    elif isinstance(adapter, (str, os.PathLike)):
+        source = check_adapter(adapter, argument)
+        if sources.is_local(source):
+            value = check_json_file(Path(source).expanduser() / sources.ADAPTER_CONFIG, argument).get(
+                "base_model_name_or_path"
+            )
+        else:
+            value = PeftConfig.from_pretrained(source).base_model_name_or_path
+    else:
+        return None  # not an adapter at all: `read_adapter` names it
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def is_other_base(recorded: str | None, base: str | os.PathLike[str] | torch.nn.Module) -> bool:
+    """Whether `recorded` (an adapter's recorded base) clearly names another model than `base`.
+
+    `base` is a folder, a hub id, or a model (its `name_or_path`, where transformers loaded it from). Compared:
+    local folders, resolved (a recorded path to the base folder matches however it is written), and model names,
+    normalised to the lower-case letters and digits of a hub id's last part: the hub id itself, a folder's name,
+    a hub-cache folder `models--owner--name`, and what a base folder records, config.json's `_name_or_path` and
+    `conversion.json`'s `model` and `gguf_file`. Any common name is a match. It is clearly another model when
+    nothing matches and either both are existing folders, or both sides record a name (more than a folder's
+    name, which says little). Nothing recorded (None, or a model built in memory): False.
+    """
+    if recorded is None:
+        return False
+    adapter_side, base_side = _origin(recorded), _origin(_source_text(base))
+    if adapter_side.folder is not None and adapter_side.folder == base_side.folder:
+        return False
+    if adapter_side.names & base_side.names:
+        return False
+    both_folders = adapter_side.folder is not None and base_side.folder is not None
+    return both_folders or (adapter_side.recorded and base_side.recorded)
+
+
+def warn_if_made_for_another_base(
+    adapter: object, base: str | os.PathLike[str] | torch.nn.Module, argument: str = "adapter"
+) -> None:
+    """Warn (a UserWarning naming both) if the base `adapter` records clearly names another model than `base`.
+
+    An adapter made for another base of the same shapes loads without an error; only its record can tell
+    (`is_other_base`). A warning, not an error: records go stale (a path on the training machine, a renamed
+    or mirrored repository), and the shapes are checked anyway (`check_adapter_fits`). Reads configs only.
+    """
+    recorded = recorded_base(adapter, argument)
+    if is_other_base(recorded, base):
+        warnings.warn(
+            f"`{argument}` records its base as {recorded!r} (`base_model_name_or_path` in adapter_config.json), "
+            f"but the base given is {_source_text(base) or type(base).__name__!r}: an adapter made for another base "
+            "of the same shapes loads without an error and adds a meaningless delta; give the base it was trained on",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """Which model a base, or an adapter's recorded base, is."""
+
+    folder: Path | None  # the existing local folder, resolved
+    names: frozenset[str]  # normalised model names (`_normalised`)
+    recorded: bool  # whether a name was recorded (a hub id, a config, a provenance file), not only a folder's name
+
+
+def _source_text(base: str | os.PathLike[str] | torch.nn.Module) -> str:
+    if isinstance(base, torch.nn.Module):
+        name = getattr(base, "name_or_path", "") or getattr(getattr(base, "config", None), "_name_or_path", "")
+        return name if isinstance(name, str) else ""
+    return os.fspath(base)
+
+
+def _normalised(name: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", name.rstrip("/").rsplit("/", 1)[-1].lower())
+
+
+def _origin(source: str) -> _Origin:
+    text = source.strip().rstrip("/")
+    if not text:
+        return _Origin(None, frozenset(), False)
+    if not sources.is_local(text):  # a hub id
+        return _Origin(None, frozenset({_normalised(text)}), True)
+    path = Path(text).expanduser()
+    recorded = [match["name"] for part in path.parts if (match := _HUB_CACHE_FOLDER.match(part))]
+    folder = path.resolve() if path.is_dir() else None
+    if folder is not None:
+        recorded += _recorded_names(folder)
+    names = {_normalised(name) for name in [*recorded, path.name]} - {""}
+    return _Origin(folder, frozenset(names), bool(recorded))
+
+
+def _recorded_names(folder: Path) -> list[str]:
+    """The model names a base folder records: config.json's `_name_or_path`, the GGUF provenance's model and file."""
+    name_or_path = _json_object(folder / sources.CONFIG).get("_name_or_path")
+    provenance = _json_object(folder / _PROVENANCE_FILE)
+    names = [provenance.get("model"), str(provenance.get("gguf_file") or "").split(".")[0]]
+    if isinstance(name_or_path, str) and name_or_path.strip() and not sources.is_local(name_or_path):
+        names.append(name_or_path)
+    return [name for name in names if isinstance(name, str) and name]
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in `file`, or {} (a missing or broken record says nothing; the loaders check the files)."""
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def saved_tensor_mismatch(
+    name: str, key: str, shape: Sequence[int], base_name: str, base_shape: Sequence[int]
+) -> str | None:
+    """Why adapter `name`'s tensor `key`, saved whole (`modules_to_save`), cannot replace the base's `base_name`
+    (other shapes; for an embedding, the two vocabulary sizes), or None if the shapes agree."""
+    shape, base_shape = tuple(shape), tuple(base_shape)
+    if shape == base_shape:
+        return None
+    problem = (
+        f"adapter `{name}` saves `{key}` whole with shape {shape}, but the base's `{base_name}` has shape {base_shape}"
+    )
+    if len(shape) == len(base_shape) == 2 and shape[1:] == base_shape[1:]:
+        problem += (
+            f": a vocabulary of {shape[0]} rows against the base's {base_shape[0]} (the adapter was trained with "
+            "resized embeddings); give the base resized the same way, or an adapter of the base's vocabulary"
+        )
+    return problem
+
+
+def _check_saved_whole(name: str, key: str, tensor: torch.Tensor, modules: Mapping[str, torch.nn.Module]) -> None:
+    """A tensor the adapter saves whole (`modules_to_save`: e.g. resized embeddings) has its base tensor's shape."""
+    if "lora_" in key:
+        return  # a LoRA tensor `_LORA_KEY` does not parse (embedding LoRA, DoRA magnitudes): peft checks those
+    base_name = key.removeprefix("base_model.model.")
+    module_path, _, attribute = base_name.rpartition(".")
+    module = modules.get(module_path)
+    if module is None:
+        return  # a module the base lacks: peft names it
+    original = getattr(module, "original_module", None)  # a copy peft already wraps (ModulesToSaveWrapper)
+    if isinstance(original, torch.nn.Module):
+        module = original
+    base = getattr(module, attribute, None)
+    if isinstance(base, torch.Tensor):
+        problem = saved_tensor_mismatch(name, key, tensor.shape, base_name, base.shape)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def check_adapter_names(names: Sequence[object]) -> None:

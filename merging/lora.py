@@ -28,7 +28,7 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import PeftType
 from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 
-from mergecompose.core.adapters import check_adapter_fits, read_adapter
+from mergecompose.core.adapters import check_adapter_fits, read_adapter, warn_if_made_for_another_base
 from mergecompose.core.boundary import check_adapter
 from mergecompose.core.io import atomic_output_dir, refuse_existing, refuse_output_over_inputs
 from mergecompose.merging.state_dicts import check_finite_tensors, check_same_shape, compute_dtype, state_dict_of
@@ -60,8 +60,11 @@ def lora_delta_weights(
     `adapter` is a folder or hub id (loaded onto a deep copy of `base_model`, which is never
     modified) or a PeftModel (its active adapter is read as is). An adapter made for another base
     is refused naming the module and both shapes; NaN or inf adapter weights unless `allow_nonfinite`.
+    One whose recorded base clearly names another model than `base_model` gets a UserWarning
+    (`mergecompose.core.adapters.warn_if_made_for_another_base`).
     """
     base_state = state_dict_of(base_model, "base_model")
+    warn_if_made_for_another_base(adapter, base_model)  # its recorded base, before any weights load
     if isinstance(adapter, PeftModel):
         peft_model, name = adapter, adapter.active_adapter
         _check_lora_config(peft_model.peft_config[name], f"adapter `{name}`")

@@ -262,6 +262,12 @@ RECIPES: dict[str, Recipe] = {
     "mergecompose.core.adapters.load_adapters_on_base": Recipe(
         "adapter", ADAPTER_WEIGHTS, lambda p: lambda: adapters.load_adapters_on_base(_tiny_base(), {"a": p.adapter})
     ),
+    "mergecompose.core.adapters.recorded_base": Recipe(
+        "adapter", "adapter_config.json", lambda p: lambda: adapters.recorded_base(p.adapter)
+    ),
+    "mergecompose.core.adapters.warn_if_made_for_another_base": Recipe(
+        "adapter", ADAPTER_WEIGHTS, lambda p: lambda: adapters.warn_if_made_for_another_base(p.adapter, p.base)
+    ),
     # the boundary itself
     "mergecompose.core.boundary.check_checkpoint": Recipe(
         "expert", WEIGHTS, lambda p: lambda: boundary.check_checkpoint(p.expert, "expert")
@@ -380,6 +386,10 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
 
 # Entry points whose user files are all read by another entry point that has a recipe.
 COVERED_BY: dict[str, tuple[str, str]] = {
+    "mergecompose.core.adapters.is_other_base": (
+        "mergecompose.composition.ComposedLM.from_pretrained",
+        "reads what a base folder records (config.json, conversion.json) after its callers checked the folder",
+    ),
     "cli:lm-eval": (
         "mergecompose.integrations.lm_eval.model.ComposedHFLM",
         "its model_args are loaded by ComposedHFLM; lm-eval's own CLI reads its task catalogue first (15 s a run)",
