@@ -97,6 +97,7 @@ def train_model(
     description: str = "train",
     progress: bool = True,
     log_every: int = 50,
+    autocast: torch.dtype | None = None,
 ) -> TrainingLog:
     """Train the parameters of `model` that require grad on `batches`; returns the loss log.
 
@@ -105,6 +106,8 @@ def train_model(
     the progress bar. `settings` needs `lr`, `weight_decay`, `schedule`, `warmup_fraction` and
     `grad_clip` (an `OptimizerSettings`, or any settings with those fields). The loss is logged,
     rounded to 6 decimals, at every `log_every`-th step and the last. The model is left in eval mode.
+    `autocast` (e.g. `torch.bfloat16`) runs the forward pass under `torch.autocast` on the model's device: the
+    parameters and the optimizer's state stay in their own dtype (float32 master weights), the loss is float32.
     """
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     if not parameters:
@@ -118,9 +121,10 @@ def train_model(
     bar = tqdm(total=total_steps, desc=description, disable=not progress, leave=False, dynamic_ncols=True)
     for step, batch in enumerate(batches):
         batch = batch.to(device)
-        logits = model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-        ).logits  # (B, T, V)
+        with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            logits = model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
+            ).logits  # (B, T, V)
         loss = torch.nn.functional.cross_entropy(
             logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX
         )
@@ -207,7 +211,7 @@ def train_lora_expert(
     settings = OptimizerSettings(
         lr=config.learning_rate, weight_decay=0.01, schedule="constant", warmup_fraction=0.0, grad_clip=None
     )
-    stream = (_aligned(batches[step % len(batches)]) for step in range(config.steps))
+    stream = (aligned_batch(batches[step % len(batches)]) for step in range(config.steps))
     log = train_model(
         peft_model, stream, settings, config.steps, description="LoRA training", progress=progress, log_every=1
     )
@@ -219,7 +223,7 @@ def train_lora_expert(
     return LoraTraining(Path(out_dir), losses)
 
 
-def _aligned(batch: Mapping[str, torch.Tensor]) -> Batch:
+def aligned_batch(batch: Mapping[str, torch.Tensor]) -> Batch:
     """A transformers-style batch (the logit at t predicts labels[:, t + 1]) with labels aligned to the logits."""
     labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]  # (B, T)
     return Batch(batch["input_ids"], batch.get("attention_mask"), None, labels)

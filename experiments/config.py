@@ -351,7 +351,7 @@ def load_config(path: str | Path) -> BaseModel:
 
 
 # Compare kinds that register themselves only when their optional extra is installed: task type -> extra.
-OPTIONAL_COMPARE_KINDS = {"lm_eval": "lm-eval"}
+OPTIONAL_COMPARE_KINDS = {"lm_eval": "lm-eval", "math_code": "real-model"}
 
 
 def _check_no_other_kind(path: str | Path, data: dict) -> None:

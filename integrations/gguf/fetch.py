@@ -98,13 +98,18 @@ def registry_model(name: str) -> RegistryModel:
     return MODELS[name]
 
 
-def model_cache_dir(name: str) -> Path:
-    """Where `fetch_model(name)` keeps its folder: `$MERGECOMPOSE_CACHE/models/NAME`, else
-    `${XDG_CACHE_HOME:-~/.cache}/mergecompose/models/NAME` (outside any work tree, found again by reruns)."""
+def cache_root() -> Path:
+    """The project's cache, outside any work tree and found again by reruns: `$MERGECOMPOSE_CACHE`, else
+    `${XDG_CACHE_HOME:-~/.cache}/mergecompose`."""
     root = os.environ.get("MERGECOMPOSE_CACHE")
     if not root:
         root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mergecompose")
-    return Path(root).expanduser() / "models" / registry_model(name).name
+    return Path(root).expanduser()
+
+
+def model_cache_dir(name: str) -> Path:
+    """Where `fetch_model(name)` keeps its folder: `cache_root() / "models" / NAME`."""
+    return cache_root() / "models" / registry_model(name).name
 
 
 def fetched_problem(folder: str | os.PathLike, name: str) -> str | None:

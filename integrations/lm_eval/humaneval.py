@@ -6,13 +6,13 @@ YAMLs (`dataset_path: json`), so lm-eval never reaches the hub.
 
 **Two protocols**, one task each:
 
-* `humaneval_instruct` (for an instruct model): the problem's prompt inside the user turn
+* `humaneval_sandbox_instruct` (for an instruct model): the problem's prompt inside the user turn
   (`instruct_messages`), no system turn of our own, so the chat template puts in the tokenizer's default
   system prompt; rendered with `add_generation_prompt=True` by `instruct_prompt`. Training that should
   match this protocol builds its prompts with the same two functions. Greedy, at most
   `INSTRUCT_MAX_GEN_TOKS` new tokens, stopping at the tokenizer's `eos_token` (the end of the assistant's
   turn; lm-eval would otherwise stop at its default "\n\n", inside the code).
-* `humaneval_completion` (lm-eval's own `humaneval` protocol): the raw prompt, lm-eval's stop strings
+* `humaneval_sandbox_completion` (lm-eval's own `humaneval` protocol): the raw prompt, lm-eval's stop strings
   (`COMPLETION_STOP`), at most `COMPLETION_MAX_GEN_TOKS` new tokens, greedy.
 
 **The program** run for a sample is `prompt + completion + "\\n" + test`, then `check(entry_point)`, through
@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 COLUMN_LABEL = "HumanEval (not +)"
-TASK_NAMES = ("humaneval_instruct", "humaneval_completion")
+TASK_NAMES = ("humaneval_sandbox_instruct", "humaneval_sandbox_completion")
 METRICS = ("pass@1_strict", "pass@1_lenient")
 COMPLETION_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # lm-eval's `humaneval` task, 0.4.x
 COMPLETION_MAX_GEN_TOKS = 384
@@ -230,20 +230,20 @@ def _only_answer(results: Sequence[str]) -> str:
 
 
 def process_instruct(doc: Mapping[str, str], results: Sequence[str]) -> dict[str, float]:
-    """lm-eval's `process_results` of `humaneval_instruct`."""
+    """lm-eval's `process_results` of `humaneval_sandbox_instruct`."""
     return score_sample(doc, _only_answer(results), "instruct")
 
 
 def process_completion(doc: Mapping[str, str], results: Sequence[str]) -> dict[str, float]:
-    """lm-eval's `process_results` of `humaneval_completion`."""
+    """lm-eval's `process_results` of `humaneval_sandbox_completion`."""
     return score_sample(doc, _only_answer(results), "completion")
 
 
 def write_humaneval_tasks(out: str | Path, tokenizer: Any, *, allow_code_execution: bool) -> list[str]:
-    """Write `humaneval_instruct` and `humaneval_completion` into the folder `out` (lm-eval's `include_path`):
-    `humaneval.jsonl` (the problems, each with its instruct prompt rendered by `tokenizer`), one YAML per task
-    and `humaneval_hooks.py`. Refused, before anything is read or written, without `allow_code_execution=True`
-    or where the sandbox does not run. Returns the task names."""
+    """Write `humaneval_sandbox_instruct` and `humaneval_sandbox_completion` into the folder `out` (lm-eval's
+    `include_path`): `humaneval.jsonl` (the problems, each with its instruct prompt rendered by `tokenizer`), one
+    YAML per task and `humaneval_hooks.py`. Refused, before anything is read or written, without
+    `allow_code_execution=True` or where the sandbox does not run. Returns the task names."""
     if allow_code_execution is not True:
         raise ValueError(
             "`allow_code_execution` must be True to write the HumanEval tasks (they execute model-written code, "
@@ -273,12 +273,12 @@ def write_humaneval_tasks(out: str | Path, tokenizer: Any, *, allow_code_executi
     )
     settings = {
         # lm-eval stops at "\n\n" when a task names no `until`; the end of the assistant's turn instead.
-        "humaneval_instruct": (
+        "humaneval_sandbox_instruct": (
             "instruct_prompt",
             "process_instruct",
             {"until": [end_of_turn], "max_gen_toks": INSTRUCT_MAX_GEN_TOKS},
         ),
-        "humaneval_completion": (
+        "humaneval_sandbox_completion": (
             "prompt",
             "process_completion",
             {"until": list(COMPLETION_STOP), "max_gen_toks": COMPLETION_MAX_GEN_TOKS},

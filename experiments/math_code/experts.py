@@ -1,0 +1,151 @@
+"""The study's experts: a math expert and a code expert trained here from the real base, cached by recipe.
+
+A recipe (`ExpertRecipe`) names the skill, the kind (a LoRA adapter on all seven projections, or a
+full fine-tune), the number of distinct training problems and the optimiser's settings. The
+training set is `examples` problems of the skill's train split (templates disjoint from the
+validation and test splits), as chat conversations with `SYSTEM_PROMPT`; the loss is on the
+assistant's tokens and the closing `<|im_end|>` (`training_batch`). Each step takes `batch_size`
+examples, in an order reshuffled every pass (seeded); AdamW with linear warm-up and a cosine to 0,
+gradients clipped at norm 1, the forward pass under bfloat16 autocast with float32 weights
+(`autocast: null` trains in float32).
+
+`train_expert` keeps each trained expert in `CACHE/experts/<skill>-<kind>-<hash>`, the hash of the
+recipe and of the base's files (names, sizes, modification times): a rerun with the same recipe
+and base finds it again, a changed recipe or base trains anew. The folder is written atomically
+with a manifest (checked on reuse) and `training.json` (the recipe, the losses, the seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import torch
+from peft import LoraConfig, get_peft_model
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mergecompose.core.io import atomic_output_dir, atomic_write_text, manifest_problem, write_manifest
+from mergecompose.core.training import Batch, OptimizerSettings, aligned_batch, train_model
+from mergecompose.experiments.config import fingerprint
+from mergecompose.experiments.lm_eval.systems import source_identity
+from mergecompose.experiments.math_code.chat_data import training_batch
+from mergecompose.experiments.math_code.code_problems import code_split
+from mergecompose.experiments.math_code.math_problems import math_split
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TRAINING_RECORD = "training.json"
+
+
+class ExpertRecipe(BaseModel):
+    """How one expert is trained from the base (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    skill: Literal["math", "code"]
+    kind: Literal["lora", "full"] = "lora"
+    examples: int = Field(1200, ge=1)  # distinct training problems (code's train templates hold 385)
+    steps: int = Field(150, ge=1)
+    batch_size: int = Field(8, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    rank: int = Field(16, ge=1)  # LoRA only
+    alpha: float = Field(32.0, gt=0)  # LoRA only: scaling alpha / rank
+    target_modules: list[str] = Field(default_factory=lambda: list(ALL_PROJECTIONS), min_length=1)
+    seed: int = Field(0, ge=0)
+    autocast: Literal["bfloat16"] | None = "bfloat16"
+
+
+def training_pairs(recipe: ExpertRecipe) -> list[tuple[str, str]]:
+    """The recipe's (prompt, answer) conversations: `examples` distinct train-split problems of its skill."""
+    if recipe.skill == "math":
+        return [(problem.prompt, problem.solution) for problem in math_split("train", recipe.examples, recipe.seed)]
+    return [(problem.prompt, problem.answer) for problem in code_split("train", recipe.examples, recipe.seed)]
+
+
+def expert_folder(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike) -> Path:
+    """Where `train_expert` keeps the expert of `recipe` on `base` (nothing is trained)."""
+    key = fingerprint({"recipe": recipe.model_dump(mode="json"), "base": source_identity(str(base))})
+    return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
+
+
+def cached_expert(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike) -> Path | None:
+    """The trained expert's folder if the cache holds it whole (its manifest checks out), else None."""
+    folder = expert_folder(base, recipe, cache)
+    return folder if folder.is_dir() and manifest_problem(folder) is None else None
+
+
+def train_expert(
+    base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike, *, progress: bool = True
+) -> Path:
+    """The expert of `recipe` trained from the checkpoint folder `base`: a peft adapter folder (`kind: lora`)
+    or a full checkpoint with the base's tokenizer (`kind: full`), from the cache or trained now."""
+    found = cached_expert(base, recipe, cache)
+    if found is not None:
+        return found
+    folder = expert_folder(base, recipe, cache)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    pairs = training_pairs(recipe)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if recipe.kind == "lora":
+        config = LoraConfig(
+            r=recipe.rank,
+            lora_alpha=recipe.alpha,
+            target_modules=list(recipe.target_modules),  # type: ignore[arg-type]
+        )
+        model = get_peft_model(model, config)
+    settings = OptimizerSettings(
+        lr=recipe.learning_rate,
+        weight_decay=recipe.weight_decay,
+        schedule="cosine",
+        warmup_fraction=min(recipe.warmup_steps / recipe.steps, 0.99),
+        grad_clip=1.0,
+    )
+    torch.manual_seed(recipe.seed)
+    started = time.perf_counter()
+    log = train_model(
+        model,
+        _batches(tokenizer, pairs, recipe),
+        settings,
+        recipe.steps,
+        description=f"{recipe.skill} expert ({recipe.kind})",
+        progress=progress,
+        log_every=1,
+        autocast=torch.bfloat16 if recipe.autocast == "bfloat16" else None,
+    )
+    seconds = round(time.perf_counter() - started, 1)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output_dir(folder, overwrite=True) as out:
+        if recipe.kind == "lora":
+            model.save_pretrained(str(out))
+        else:
+            model.save_pretrained(out)
+            tokenizer.save_pretrained(str(out))
+        record = {
+            "recipe": recipe.model_dump(mode="json"),
+            "base": str(base),
+            "seconds": seconds,
+            "losses": [loss for _, loss in log.losses],
+        }
+        atomic_write_text(out / TRAINING_RECORD, json.dumps(record, indent=2) + "\n")
+        write_manifest(out)
+    return folder
+
+
+def _batches(tokenizer, pairs: list[tuple[str, str]], recipe: ExpertRecipe) -> Iterator[Batch]:
+    """`recipe.steps` batches of `batch_size` conversations, each pass over `pairs` in a new seeded order."""
+    rng = random.Random(recipe.seed)
+    order: list[int] = []
+    for _ in range(recipe.steps):
+        while len(order) < recipe.batch_size:
+            fresh = list(range(len(pairs)))
+            rng.shuffle(fresh)
+            order.extend(fresh)
+        chosen, order = order[: recipe.batch_size], order[recipe.batch_size :]
+        yield aligned_batch(training_batch(tokenizer, [pairs[index] for index in chosen]))

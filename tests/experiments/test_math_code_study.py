@@ -1,0 +1,170 @@
+"""The real-model study (`task.type: math_code`), scaled down: the real SmolLM2, two experts trained for two steps,
+one item per split, every kind of system, lm-eval's `hf` and `composed` models, the sandbox, the diagnostics.
+
+The study's own model cache (`MERGECOMPOSE_CACHE`) is a temporary folder here, and the base is given as the
+session's converted SmolLM2 folder, so the user's cache is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from mergecompose.analysis.predict import UNDECIDED, VERDICTS
+from mergecompose.core.sandbox import sandbox_available
+from mergecompose.experiments.config import load_config
+from mergecompose.experiments.math_code.experts import ExpertRecipe, expert_folder
+from mergecompose.experiments.math_code.lm_eval_tasks import study_records
+from mergecompose.experiments.math_code.study import SPLITS, MathCodeStudyConfig, run_math_code_study
+
+pytestmark = pytest.mark.skipif(sandbox_available() is not None, reason=f"no code sandbox: {sandbox_available()}")
+
+SYSTEMS = [
+    "base",
+    "expert:math",
+    "expert:code",
+    "compose",
+    "compose+gate",
+    "compose+shared_delta",
+    "merge:linear",
+    "merge:task_arithmetic",
+    "merge:ties",
+    "merge:dare_ties",
+]
+
+
+def study_fields(base: str) -> dict:
+    return {
+        "name": "study_scaled_down",
+        "task": {"type": "math_code"},
+        "base": base,
+        "experts": {
+            "math": {"skill": "math", "examples": 4, "steps": 2, "batch_size": 2, "rank": 4, "alpha": 8},
+            "code": {"skill": "code", "examples": 4, "steps": 2, "batch_size": 2, "rank": 4, "alpha": 8},
+        },
+        "compositions": {
+            "compose": {"experts": ["math", "code"]},
+            "compose+gate": {"experts": ["math", "code"], "remedies": {"gate": 0.1}},
+            "compose+shared_delta": {"experts": ["math", "code"], "remedies": {"shared_delta": True}},
+        },
+        "merges": {
+            "linear": {},
+            "task_arithmetic": {"lam": [0.5, 1.0]},
+            "ties": {"lam": [1.0], "density": [0.5]},
+            "dare_ties": {"lam": [1.0], "drop_rate": [0.5]},
+        },
+        "splits": {
+            "math": 1,
+            "code": 1,
+            "mixed": 1,
+            "validation": 2,
+            "limit": 1,
+            "gen_kwargs": {"max_gen_toks": 8},
+        },
+        "diagnostics": {"prompts": 2, "max_new_tokens": 4, "batch_size": 2},
+        "batch_size": 2,
+        "dtype": "float32",
+        "threads": torch.get_num_threads(),
+        "allow_code_execution": True,
+    }
+
+
+@pytest.fixture(scope="module")
+def study(smollm2_dir, tmp_path_factory):
+    cache = tmp_path_factory.mktemp("study_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MERGECOMPOSE_CACHE", str(cache))
+        config = MathCodeStudyConfig.model_validate(study_fields(str(smollm2_dir)))
+        out = tmp_path_factory.mktemp("study") / "out"
+        results = run_math_code_study(config, out, progress=False, echo=None)
+        again = run_math_code_study(config, out, progress=False, echo=None)
+    return {"config": config, "out": out, "results": results, "again": again, "cache": cache}
+
+
+def test_every_system_is_scored_on_every_split_with_both_scores(study):
+    results = study["results"]
+    assert list(results["systems"]) == SYSTEMS
+    for system, splits in results["systems"].items():
+        for split, (task, prefix, _, _) in SPLITS.items():
+            strict, lenient = splits[f"{task}/{prefix}strict"], splits[f"{task}/{prefix}lenient"]
+            assert strict["n"] == lenient["n"] == 1, (system, split)
+            assert 0 <= strict["value"] <= lenient["value"] <= 1, (system, split)
+            low, high = lenient["ci95"]
+            assert low <= lenient["value"] <= high
+
+
+def test_the_experts_are_trained_from_the_base_and_kept_by_recipe(study, smollm2_dir):
+    training = study["results"]["training"]
+    for name, recipe in study["config"].experts.items():
+        folder = expert_folder(str(smollm2_dir), recipe, study["cache"])
+        assert training[name]["folder"] == str(folder)
+        adapter = json.loads((folder / "adapter_config.json").read_text())
+        assert adapter["r"] == 4 and sorted(adapter["target_modules"]) == sorted(recipe.target_modules)
+        record = json.loads((folder / "training.json").read_text())
+        assert len(record["losses"]) == recipe.steps and all(loss > 0 for loss in record["losses"])
+    changed = ExpertRecipe.model_validate({**study["config"].experts["math"].model_dump(), "steps": 3})
+    assert expert_folder(str(smollm2_dir), changed, study["cache"]) != training["math"]["folder"]
+
+
+def test_merges_are_chosen_on_validation_items_only(study):
+    merges = study["results"]["merges"]
+    chosen = merges["task_arithmetic"]
+    assert [entry["params"] for entry in chosen["validation"]] == [{"lam": 0.5}, {"lam": 1.0}]
+    assert chosen["selected_on"] == {"task": "mc_validation", "split": None, "limit": 2}
+    assert chosen["chosen"] in ([{"lam": 0.5}, {"lam": 1.0}][i] for i in range(2))
+    validation = study_records({"math": 1, "code": 1, "mixed": 1, "validation": 2})["mc_validation"]
+    assert {record["problem"]["split"] for record in validation} == {"validation"}
+    assert [record["kind"] for record in validation] == ["math", "code"]
+
+
+def test_the_outputs_are_written(study):
+    out = study["out"]
+    for name in ("results.json", "results.md", "study.png", "config.yaml", "lm_eval/results.json"):
+        assert (out / name).is_file(), name
+    markdown = (out / "results.md").read_text()
+    assert "HumanEval (not +)" in markdown and "MBPP+: 39.4 vs 38.1" in markdown
+    samples = out / "lm_eval" / "samples" / "compose" / "mc_mixed.jsonl"
+    sample = json.loads(samples.read_text().splitlines()[0])
+    assert sample["doc"]["kind"] == "mixed" and "<|im_start|>assistant\n" in sample["arguments"][0][0]
+    reloaded = load_config(out / "config.yaml")
+    assert reloaded == study["config"]
+
+
+def test_the_diagnostics_measure_coactivation_at_each_epsilon_and_recommend(study):
+    diagnostics = study["results"]["diagnostics"]
+    rates = diagnostics["teacher_forced"]["coactivation_by_epsilon"]
+    assert sorted(rates, key=float) == ["0.01", "0.1", "1.0"]
+    values = [rates[key] for key in ("0.01", "0.1", "1.0")]
+    assert all(0 <= value <= 1 for value in values) and values == sorted(values, reverse=True)
+    assert diagnostics["recommendation"]["verdict"] in (*VERDICTS, UNDECIDED)
+    verdict = study["results"]["verdict"]
+    assert verdict["outcome"] in ("compose", "merge", "either")
+
+
+def test_a_rerun_trains_and_evaluates_nothing(study):
+    again = study["again"]
+    assert all(record["cached"] for record in again["training"].values())
+    lm_eval = json.loads((study["out"] / "lm_eval" / "results.json").read_text())
+    assert lm_eval["cells"]["evaluated"] == []
+    assert again["systems"] == study["results"]["systems"]
+
+
+def test_a_config_without_the_code_execution_opt_in_is_refused_before_any_work(smollm2_dir, tmp_path):
+    fields = {**study_fields(str(smollm2_dir)), "allow_code_execution": False}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(fields))
+    with pytest.raises(ValueError, match="allow_code_execution: true"):
+        load_config(path)
+    assert sorted(item.name for item in tmp_path.iterdir()) == ["study.yaml"]
+
+
+def test_the_shipped_configs_load(smollm2_dir):
+    for name in ("smollm2_math_code.yaml", "smollm2_math_code_full.yaml"):
+        config = load_config(f"configs/{name}")
+        assert isinstance(config, MathCodeStudyConfig) and config.allow_code_execution
+    full = load_config("configs/smollm2_math_code_full.yaml")
+    assert {recipe.kind for recipe in full.experts.values()} == {"full"}
+    assert full.splits.mixed == 0 and not full.splits.humaneval
