@@ -34,9 +34,10 @@ from mergecompose.core.io import atomic_output_dir, atomic_write_text, manifest_
 from mergecompose.core.training import Batch, OptimizerSettings, aligned_batch, train_model
 from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.lm_eval.systems import source_identity
-from mergecompose.experiments.math_code.chat_data import training_batch
+from mergecompose.experiments.math_code.chat_data import end_of_turn_id, generation_inputs, training_batch
 from mergecompose.experiments.math_code.code_problems import code_split
 from mergecompose.experiments.math_code.math_problems import math_split
+from mergecompose.experiments.math_code.scoring import score_code, score_math
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TRAINING_RECORD = "training.json"
@@ -60,13 +61,62 @@ class ExpertRecipe(BaseModel):
     target_modules: list[str] = Field(default_factory=lambda: list(ALL_PROJECTIONS), min_length=1)
     seed: int = Field(0, ge=0)
     autocast: Literal["bfloat16"] | None = "bfloat16"
+    # The answers trained on: the problems' reference solutions, or the base's own answers that are right
+    # (`samples` drawn per problem at `temperature`, kept when their lenient score passes: rejection sampling).
+    answers: Literal["reference", "sampled"] = "reference"
+    samples: int = Field(4, ge=1)
+    temperature: float = Field(0.7, gt=0)
+    max_new_tokens: int = Field(256, ge=1)
 
 
 def training_pairs(recipe: ExpertRecipe) -> list[tuple[str, str]]:
-    """The recipe's (prompt, answer) conversations: `examples` distinct train-split problems of its skill."""
+    """The recipe's (prompt, reference answer) conversations: `examples` distinct train-split problems of its skill."""
     if recipe.skill == "math":
         return [(problem.prompt, problem.solution) for problem in math_split("train", recipe.examples, recipe.seed)]
     return [(problem.prompt, problem.answer) for problem in code_split("train", recipe.examples, recipe.seed)]
+
+
+def sampled_pairs(model, tokenizer, recipe: ExpertRecipe, batch_size: int = 32) -> tuple[list[tuple[str, str]], dict]:
+    """The base's own right answers to the recipe's train problems: `samples` completions per problem drawn at
+    `temperature` (seeded), kept where their lenient score passes (distinct answers only); and the counts."""
+    if recipe.skill == "math":
+        problems: list = math_split("train", recipe.examples, recipe.seed)
+    else:
+        problems = code_split("train", recipe.examples, recipe.seed)
+    prompts = [problem.prompt for problem in problems for _ in range(recipe.samples)]
+    owners = [problem for problem in problems for _ in range(recipe.samples)]
+    torch.manual_seed(recipe.seed)
+    outputs: list[str] = []
+    model.eval()
+    for start in range(0, len(prompts), batch_size):
+        inputs = generation_inputs(tokenizer, prompts[start : start + batch_size])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.autocast is not None):
+            generated = model.generate(
+                **inputs,
+                do_sample=True,
+                temperature=recipe.temperature,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=recipe.max_new_tokens,
+                pad_token_id=end_of_turn_id(tokenizer),
+                eos_token_id=end_of_turn_id(tokenizer),
+            )
+        outputs += tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    if recipe.skill == "math":
+        right = [score_math(output, problem.answer).lenient for output, problem in zip(outputs, owners)]
+    else:
+        right = [score.lenient for score in score_code(outputs, owners)]
+    pairs = list(
+        dict.fromkeys((problem.prompt, output.strip()) for output, problem, ok in zip(outputs, owners, right) if ok)
+    )
+    solved = len({prompt for prompt, _ in pairs})
+    counts = {"drawn": len(outputs), "right": sum(right), "kept": len(pairs), "problems_solved": solved}
+    if not pairs:
+        raise ValueError(
+            f"`answers: sampled`: none of the base's {len(outputs)} answers to {len(problems)} {recipe.skill} problems "
+            "is right; train on the references (`answers: reference`) or draw more (`samples`)"
+        )
+    return pairs, counts
 
 
 def expert_folder(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike) -> Path:
@@ -91,8 +141,12 @@ def train_expert(
         return found
     folder = expert_folder(base, recipe, cache)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    pairs = training_pairs(recipe)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    started = time.perf_counter()
+    if recipe.answers == "sampled":
+        pairs, counts = sampled_pairs(model, tokenizer, recipe)
+    else:
+        pairs, counts = training_pairs(recipe), {"kept": recipe.examples}
     if recipe.kind == "lora":
         config = LoraConfig(
             r=recipe.rank,
@@ -108,7 +162,6 @@ def train_expert(
         grad_clip=1.0,
     )
     torch.manual_seed(recipe.seed)
-    started = time.perf_counter()
     log = train_model(
         model,
         _batches(tokenizer, pairs, recipe),
@@ -131,6 +184,7 @@ def train_expert(
             "recipe": recipe.model_dump(mode="json"),
             "base": str(base),
             "seconds": seconds,
+            "examples": counts,
             "losses": [loss for _, loss in log.losses],
         }
         atomic_write_text(out / TRAINING_RECORD, json.dumps(record, indent=2) + "\n")

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -50,6 +51,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from transformers import AutoTokenizer
 
+from mergecompose.analysis.predict import UNDECIDED
 from mergecompose.analysis.run import OverlapRunConfig, run_overlap
 from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.core.boundary import check_checkpoint
@@ -187,6 +189,13 @@ class MathCodeStudyConfig(_Strict):
     @classmethod
     def _merges(cls, value):
         return check_merge_grids(value)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value):
+        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", value):
+            raise ValueError(f"`device` must be 'cpu', 'cuda', 'cuda:N' or 'mps', got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -513,7 +522,7 @@ def full_table(results: dict, score: str) -> str:
 def verdict_outcome(results: dict) -> dict:
     """The recommendation against the outcome on the mixed split (lenient): `compose` against the task-arithmetic
     merge. Right when it names the one with the higher score and the intervals are disjoint; "either" is right
-    when they overlap."""
+    when they overlap ("compose+gate" names composing; "neither" is never right; "undecided" is not judged)."""
     recommendation = (results.get("diagnostics") or {}).get("recommendation") or {}
     compose = _record(results, "compose", "mixed", "lenient")
     merged = _record(results, merge_name("task_arithmetic"), "mixed", "lenient")
@@ -527,12 +536,13 @@ def verdict_outcome(results: dict) -> dict:
     else:
         outcome = "either"
     verdict = recommendation.get("verdict")
+    named = "compose" if verdict == "compose+gate" else verdict  # composing, with a remedy
     return {
         "verdict": verdict,
         "outcome": outcome,
         "compose": compose["value"],
         "merge": merged["value"],
-        "right": None if verdict is None else verdict == outcome,
+        "right": None if verdict in (None, UNDECIDED) else named == outcome,
     }
 
 

@@ -12,11 +12,13 @@ import json
 import pytest
 import torch
 import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.analysis.predict import UNDECIDED, VERDICTS
 from mergecompose.core.sandbox import sandbox_available
 from mergecompose.experiments.config import load_config
-from mergecompose.experiments.math_code.experts import ExpertRecipe, expert_folder
+from mergecompose.experiments.math_code import code_split, score_code
+from mergecompose.experiments.math_code.experts import ExpertRecipe, expert_folder, sampled_pairs
 from mergecompose.experiments.math_code.lm_eval_tasks import study_records
 from mergecompose.experiments.math_code.study import SPLITS, MathCodeStudyConfig, run_math_code_study
 
@@ -61,12 +63,13 @@ def study_fields(base: str) -> dict:
             "code": 1,
             "mixed": 1,
             "validation": 2,
+            "humaneval": False,  # through lm-eval on the real model: tests/integrations/lm_eval/test_humaneval_real.py
             "limit": 1,
             "gen_kwargs": {"max_gen_toks": 8},
         },
         "diagnostics": {"prompts": 2, "max_new_tokens": 4, "batch_size": 2},
         "batch_size": 2,
-        "dtype": "float32",
+        "dtype": "bfloat16",
         "threads": torch.get_num_threads(),
         "allow_code_execution": True,
     }
@@ -89,6 +92,9 @@ def test_every_system_is_scored_on_every_split_with_both_scores(study):
     assert list(results["systems"]) == SYSTEMS
     for system, splits in results["systems"].items():
         for split, (task, prefix, _, _) in SPLITS.items():
+            if split.startswith("humaneval"):
+                assert not any(key.startswith(task) for key in splits)
+                continue
             strict, lenient = splits[f"{task}/{prefix}strict"], splits[f"{task}/{prefix}lenient"]
             assert strict["n"] == lenient["n"] == 1, (system, split)
             assert 0 <= strict["value"] <= lenient["value"] <= 1, (system, split)
@@ -125,7 +131,7 @@ def test_the_outputs_are_written(study):
     for name in ("results.json", "results.md", "study.png", "config.yaml", "lm_eval/results.json"):
         assert (out / name).is_file(), name
     markdown = (out / "results.md").read_text()
-    assert "HumanEval (not +)" in markdown and "MBPP+: 39.4 vs 38.1" in markdown
+    assert "HumanEval (not +)" in markdown and "MBPP+: 39.4 vs 38.1" in markdown and "GSM8K / MATH" in markdown
     samples = out / "lm_eval" / "samples" / "compose" / "mc_mixed.jsonl"
     sample = json.loads(samples.read_text().splitlines()[0])
     assert sample["doc"]["kind"] == "mixed" and "<|im_start|>assistant\n" in sample["arguments"][0][0]
@@ -168,3 +174,19 @@ def test_the_shipped_configs_load(smollm2_dir):
     full = load_config("configs/smollm2_math_code_full.yaml")
     assert {recipe.kind for recipe in full.experts.values()} == {"full"}
     assert full.splits.mixed == 0 and not full.splits.humaneval
+
+
+def test_sampled_answers_keep_only_the_bases_right_answers(smollm2_dir):
+    """`answers: sampled` (rejection sampling): every kept answer is one of the base's draws and passes its tests."""
+    recipe = ExpertRecipe(skill="code", examples=4, answers="sampled", samples=2, max_new_tokens=64, seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    try:
+        pairs, counts = sampled_pairs(model, tokenizer, recipe, batch_size=8)
+    except ValueError as error:  # a base that solves none of them is refused, not trained on nothing
+        assert "none of the base's 8 answers to 4 code problems is right" in str(error)
+        return
+    problems = {problem.prompt: problem for problem in code_split("train", 4, seed=3)}
+    assert counts["drawn"] == 8 and 1 <= counts["kept"] == len(pairs) <= counts["right"] <= 8
+    scores = score_code([answer for _, answer in pairs], [problems[prompt] for prompt, _ in pairs])
+    assert all(score.lenient for score in scores)
