@@ -61,7 +61,7 @@ from mergecompose.core.sandbox import sandbox_available
 from mergecompose.experiments.config import MergeGrid, check_merge_grids, fingerprint
 from mergecompose.experiments.lm_eval.catalog import check_task_files, check_task_names
 from mergecompose.experiments.lm_eval.config import CompositionSettings, LmEvalCompareConfig, resolve_source
-from mergecompose.experiments.lm_eval.preflight import check_device
+from mergecompose.experiments.lm_eval.preflight import check_device, checkpoint_bytes
 from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
 from mergecompose.experiments.math_code.chat_data import generation_text
 from mergecompose.experiments.math_code.experts import TRAINING_RECORD, ExpertRecipe, cached_expert, train_expert
@@ -289,9 +289,10 @@ def check_before_work(config: MathCodeStudyConfig, out_dir: str | os.PathLike | 
             names = _write_tasks(config, folder, tokenizer)
             check_task_files([folder])
             check_task_names([*names, SELECTION_TASK], [folder])
-    if out_dir is not None and config.merges:
-        merges = sum(len(grid.candidates()) for grid in config.merges.values())
-        check_free_disk(out_dir, merges * 4 * 135_000_000, f"the {merges} merges of this study")
+    size = checkpoint_bytes(config.base_folder_hint())  # 0 until the base is fetched
+    if out_dir is not None and config.merges and size:
+        merges = sum(len(grid.candidates()) for grid in config.merges.values()) + len(config.experts)
+        check_free_disk(out_dir, merges * size, f"the {merges} merged and dense checkpoints of this study")
 
 
 def preflight(config: MathCodeStudyConfig, out_dir, overwrite: bool = False, config_path=None) -> None:
