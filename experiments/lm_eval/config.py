@@ -174,10 +174,7 @@ class LmEvalCompareConfig(_Strict):
     @classmethod
     def _experts(cls, value):
         for name, source in value.items():
-            if not name or "/" in name or name.startswith(RESERVED_PREFIXES):
-                raise ValueError(
-                    f"expert names must be non-empty, without '/' and not start with {RESERVED_PREFIXES}, got {name!r}"
-                )
+            check_expert_name(name)
             source_kind(source, f"experts.{name}")
         return value
 
@@ -196,11 +193,7 @@ class LmEvalCompareConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self):
         for name, composition in self.compositions.items():
-            if name == "base" or "/" in name or name.startswith(RESERVED_PREFIXES):
-                raise ValueError(
-                    f"`compositions` keys are system names: not 'base', without '/', not starting with "
-                    f"{RESERVED_PREFIXES}; got {name!r}"
-                )
+            check_composition_name(name)
             self._known_experts(composition.experts, f"compositions.{name}.experts")
         if self.merges:
             merged = self.merged_experts()
@@ -266,6 +259,23 @@ class LmEvalCompareConfig(_Strict):
                 "(lm-eval's confirm_run_unsafe_code), preferably in a sandbox"
             )
         return manager
+
+
+def check_expert_name(name: str) -> None:
+    """An expert's name: non-empty, without '/', not starting with a system prefix (`RESERVED_PREFIXES`)."""
+    if not name or "/" in name or name.startswith(RESERVED_PREFIXES):
+        raise ValueError(
+            f"expert names must be non-empty, without '/' and not start with {RESERVED_PREFIXES}, got {name!r}"
+        )
+
+
+def check_composition_name(name: str) -> None:
+    """A composition's name is a system name: not 'base', without '/', not starting with `RESERVED_PREFIXES`."""
+    if name == "base" or "/" in name or name.startswith(RESERVED_PREFIXES):
+        raise ValueError(
+            f"`compositions` keys are system names: not 'base', without '/', not starting with "
+            f"{RESERVED_PREFIXES}; got {name!r}"
+        )
 
 
 def resolve_paths(data: dict, folder: Path) -> dict:

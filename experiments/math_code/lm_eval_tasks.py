@@ -25,8 +25,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mergecompose.core.io import atomic_write_text
 from mergecompose.core.sandbox import sandbox_available
 from mergecompose.experiments.math_code.chat_data import END_OF_TURN, generation_text
@@ -34,7 +32,7 @@ from mergecompose.experiments.math_code.code_problems import CodeProblem, code_s
 from mergecompose.experiments.math_code.math_problems import MathProblem, math_split
 from mergecompose.experiments.math_code.mixed import MixedProblem, mixed_split
 from mergecompose.experiments.math_code.scoring import score_code, score_math, score_mixed
-from mergecompose.integrations.lm_eval.humaneval import write_humaneval_tasks
+from mergecompose.integrations.lm_eval.humaneval import write_hooked_task, write_humaneval_tasks
 
 METRICS = ("strict", "lenient")
 HOOKS_MODULE = "math_code_hooks"  # the file beside the YAMLs that lm-eval's `!function` loads
@@ -155,14 +153,10 @@ def write_study_tasks(
             "num_fewshot": 0,
             "repeats": 1,
             "generation_kwargs": {"until": [END_OF_TURN], "max_gen_toks": int(caps[split]), "do_sample": False},
-            "process_results": f"!function {HOOKS_MODULE}.process_results",
             "metric_list": [{"metric": metric, "aggregation": "mean", "higher_is_better": True} for metric in METRICS],
             "metadata": {"version": 1.0},
         }
-        text = yaml.safe_dump(task, sort_keys=False, width=1000)
-        # `!function` is a YAML tag: written unquoted so lm-eval's loader imports the hook.
-        text = text.replace(f"'!function {HOOKS_MODULE}.process_results'", f"!function {HOOKS_MODULE}.process_results")
-        atomic_write_text(folder / f"{name}.yaml", text)
+        write_hooked_task(folder / f"{name}.yaml", task, f"{HOOKS_MODULE}.process_results")
         names.append(name)
     if humaneval:
         names += write_humaneval_tasks(folder, tokenizer, allow_code_execution=True)

@@ -60,7 +60,13 @@ from mergecompose.core.io import atomic_save_figure, atomic_write_text, markdown
 from mergecompose.core.sandbox import sandbox_available
 from mergecompose.experiments.config import MergeGrid, check_merge_grids, fingerprint
 from mergecompose.experiments.lm_eval.catalog import check_task_files, check_task_names
-from mergecompose.experiments.lm_eval.config import CompositionSettings, LmEvalCompareConfig, resolve_source
+from mergecompose.experiments.lm_eval.config import (
+    CompositionSettings,
+    LmEvalCompareConfig,
+    check_composition_name,
+    check_expert_name,
+    resolve_source,
+)
 from mergecompose.experiments.lm_eval.preflight import check_device, checkpoint_bytes
 from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
 from mergecompose.experiments.math_code.chat_data import generation_text
@@ -69,7 +75,7 @@ from mergecompose.experiments.math_code.lm_eval_tasks import write_study_tasks
 from mergecompose.experiments.math_code.mixed import mixed_split
 from mergecompose.experiments.registry import register_compare_kind
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
-from mergecompose.experiments.systems import BASE, expert_name, merge_name
+from mergecompose.experiments.systems import expert_name, merge_name
 from mergecompose.integrations.gguf.fetch import MODELS, cache_root, fetch_model, model_cache_dir
 
 SELECTION_TASK = "mc_validation"
@@ -179,10 +185,7 @@ class MathCodeStudyConfig(_Strict):
     @classmethod
     def _expert_names(cls, value):
         for name in value:
-            if not name or "/" in name or name.startswith(("expert:", "merge:")):
-                raise ValueError(
-                    f"expert names must be non-empty, without '/' and not start with expert:/merge:, got {name!r}"
-                )
+            check_expert_name(name)
         return value
 
     @field_validator("merges")
@@ -261,10 +264,7 @@ def _check_structure(fields: dict) -> None:
     grid point), without its checks of folders and tasks."""
     for name, composition in fields["compositions"].items():
         CompositionSettings.model_validate(composition)
-        if name == BASE or "/" in name or name.startswith(("expert:", "merge:")):
-            raise ValueError(
-                f"`compositions` keys are system names: not 'base', without '/', not expert:/merge:, got {name!r}"
-            )
+        check_composition_name(name)
     shell = LmEvalCompareConfig.model_construct(**{**fields, "merges": {}})
     for method, grid in fields["merges"].items():
         for params in MergeGrid.model_validate(grid).candidates():

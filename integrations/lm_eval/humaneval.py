@@ -75,6 +75,7 @@ __all__ = [
     "read_problems",
     "score_sample",
     "strict_instruct_code",
+    "write_hooked_task",
     "write_humaneval_tasks",
 ]
 
@@ -298,12 +299,16 @@ def write_humaneval_tasks(out: str | Path, tokenizer: Any, *, allow_code_executi
             "num_fewshot": 0,
             "repeats": 1,
             "generation_kwargs": {**generation, "do_sample": False},
-            "process_results": f"!function {HOOKS_MODULE}.{hook}",
             "metric_list": [{"metric": metric, "aggregation": "mean", "higher_is_better": True} for metric in METRICS],
             "metadata": {"version": 1.0, "label": COLUMN_LABEL},
         }
-        text = yaml.safe_dump(task, sort_keys=False, width=1000)
-        # `!function` is a YAML tag: written unquoted so lm-eval's loader imports the hook.
-        text = text.replace(f"'!function {HOOKS_MODULE}.{hook}'", f"!function {HOOKS_MODULE}.{hook}")
-        atomic_write_text(folder / f"{name}.yaml", text)
+        write_hooked_task(folder / f"{name}.yaml", task, f"{HOOKS_MODULE}.{hook}")
     return list(TASK_NAMES)
+
+
+def write_hooked_task(out: str | Path, task: Mapping[str, Any], hook: str) -> None:
+    """Write the lm-eval task config `task` to the YAML file `out` (atomically), with `process_results` the
+    function `hook` ("module.function", the module beside the YAML) as lm-eval's `!function` tag."""
+    text = yaml.safe_dump({**task, "process_results": f"!function {hook}"}, sort_keys=False, width=1000)
+    # `!function` is a YAML tag: written unquoted so lm-eval's loader imports the hook.
+    atomic_write_text(Path(out), text.replace(f"'!function {hook}'", f"!function {hook}"))
