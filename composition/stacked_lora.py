@@ -6,7 +6,15 @@ on every call. Here the batch is laid out component-major — rows `[base | expe
 B rows each — so each expert's rows are a contiguous slice, and for every targeted linear layer
 
     y = W x                                  (all (k+1)·B rows, the base weight read once)
-    y[expert i rows] += s_i · B_i A_i x      (i = 1..k, as two `bmm` over the stacked experts)
+    y[expert i rows] += s_i · B_i A_i x      (i = 1..k)
+
+The products are two `bmm` over the stacked experts when the expert rows are many (a prompt). At a
+decoding step they are few, and the time goes to the calls, not to the arithmetic: there all experts'
+factors are laid side by side, A = [A_1 | … | A_k] (in, k·r) and B = [B_1; …; B_k] (k·r, out), and
+
+    y[expert rows] += ((x[expert rows] A) ⊙ M) B      (M keeps, in the rows of expert i, its r columns)
+
+which is two plain matrix products and one product with a 0/1 mask, whatever k is.
 
 The factors come from the adapters that peft loaded; the LoRA layers are then unloaded
 (`PeftModel.unload`, no merge) so the base model is plain again, and forward hooks on the base
@@ -24,11 +32,60 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-# Up to this many rows, a CPU linear is computed as W @ xᵀ (see `_linear_forward`).
-_FEW_ROWS = 64
+# A CPU linear over this many rows is computed as W @ xᵀ, outside it as F.linear's x @ Wᵀ (see `_linear_forward`).
+_WX_ROWS = range(9, 49)
+# Up to this many expert rows, the LoRA products take the side-by-side path (module docstring).
+_FEW_EXPERT_ROWS = 64
+# Sibling linears that read the same input in the architectures transformers ships: their side-by-side A
+# factors are stored as one matrix, and one product serves all of them (checked at run time, `_SharedInput`).
+_SAME_INPUT = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"query", "key", "value"}, {"w1", "w3"})
 
-# A_t (p, in, r_max), B_t (p, r_max, out) and the component index of each of the p experts (p,).
-Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+class _Factors:
+    """One module's stacked factors, scaling folded into B, ranks zero-padded to r_max.
+
+    `a_side` (in, p·r_max) = [A_1 | … | A_p] and `b_side` (p·r_max, out) = [B_1; …; B_p] are stored;
+    `a_t` (p, in, r_max) and `b_t` (p, r_max, out) are views of them for the batched products. `index`
+    holds the component of each of the p experts present (1..k); `complete` is True when all k are."""
+
+    def __init__(self, a_side: torch.Tensor, b_side: torch.Tensor, index: torch.Tensor, n_experts: int) -> None:
+        p = index.shape[0]
+        self.a_side, self.b_side, self.index = a_side, b_side, index
+        self.rank = a_side.shape[1] // p
+        self.a_t = a_side.view(a_side.shape[0], p, self.rank).permute(1, 0, 2)
+        self.b_t = b_side.view(p, self.rank, b_side.shape[1])
+        self.complete = p == n_experts
+        self.group: _SharedInput | None = None
+        self.columns = slice(0, a_side.shape[1])  # its columns of `group.a_side`
+
+
+class _SharedInput:
+    """Siblings that read one input: their `a_side` factors side by side in one (in, Σ p·r_m) matrix.
+
+    The first of them to run in a pass computes `(x A) ⊙ M` for all; the others take their columns
+    of it if they are given the very same tensor, unchanged (identity and version), else compute their own."""
+
+    def __init__(self, members: list[_Factors]) -> None:
+        self.a_side = torch.cat([member.a_side for member in members], dim=1)
+        start = 0
+        for member in members:
+            width = member.a_side.shape[1]
+            member.columns = slice(start, start + width)
+            member.a_side = self.a_side[:, start : start + width]  # a view: the factors are stored once
+            member.a_t = member.a_side.view(member.a_side.shape[0], -1, member.rank).permute(1, 0, 2)
+            member.group = self
+            start += width
+        self.members = members
+        self.x: torch.Tensor | None = None
+        self.version = -1
+        self.hidden: torch.Tensor | None = None
+
+    def clear(self) -> None:
+        self.x, self.hidden = None, None
+
+
+# A_t (p, in, r_max), B_t (p, r_max, out): what `StackedLoRA.factors` gives for each module.
+Factors = tuple[torch.Tensor, torch.Tensor]
 
 
 class StackedLoRAUnsupported(ValueError):
@@ -48,7 +105,7 @@ class StackedLoRA:
         self.adapter_names = list(adapter_names)
         self.n_components = len(self.adapter_names) + 1
         self._on = False
-        stacked: dict[str, Factors] = {}
+        stacked: dict[str, _Factors] = {}
         for path, module in peft_model.get_base_model().named_modules():
             if not hasattr(module, "lora_A"):
                 continue
@@ -60,7 +117,9 @@ class StackedLoRA:
             if any(self.adapter_names[i] in module.lora_variant for i in present):
                 raise StackedLoRAUnsupported(f"module `{path}` uses a LoRA variant (e.g. DoRA)")
             stacked[path] = self._stack(module, [self.adapter_names[i] for i in present], present)
-        self.factors = {path: (a_t, b_t) for path, (a_t, b_t, _) in stacked.items()}
+        self.factors: dict[str, Factors] = {path: (f.a_t, f.b_t) for path, f in stacked.items()}
+        self._groups = _same_input_groups(stacked)
+        self._masks: dict[tuple[int, tuple[int, ...], int], torch.Tensor] = {}
         self.model = peft_model.unload()  # the base model with its original layers, unmerged
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         # (module, its instance-level forward before ours or None), for `close()`.
@@ -71,71 +130,102 @@ class StackedLoRA:
                 # An instance attribute: the class's forward is left alone, and `close()` deletes ours.
                 module.__dict__["forward"] = self._linear_forward(module, stacked.get(path))
             elif path in stacked:  # e.g. GPT-2's Conv1D: keep its forward, add the products after it
-                self._handles.append(module.register_forward_hook(self._hook(*stacked[path])))
+                self._handles.append(module.register_forward_hook(self._hook(stacked[path])))
 
-    @staticmethod
-    def _stack(module: LoraLinear, names: list[str], present: list[int]) -> Factors:
-        """A_t: (p, in, r_max), B_t: (p, r_max, out) with the scaling folded into B; zero-padded ranks."""
+    def _stack(self, module: LoraLinear, names: list[str], present: list[int]) -> _Factors:
+        """The experts' factors of `module`, side by side (`_Factors`)."""
         a = [_weight(module.lora_A[name]) for name in names]  # (r_j, in) each
         b = [_weight(module.lora_B[name]) for name in names]  # (out, r_j) each
         ranks = [weight.shape[0] for weight in a]
         in_features, out_features = a[0].shape[1], b[0].shape[0]
         weight = a[0]
-        a_t = torch.zeros(len(names), in_features, max(ranks), dtype=weight.dtype, device=weight.device)
-        b_t = torch.zeros(len(names), max(ranks), out_features, dtype=weight.dtype, device=weight.device)
+        p, r_max = len(names), max(ranks)
+        a_side = torch.zeros(in_features, p * r_max, dtype=weight.dtype, device=weight.device)
+        b_side = torch.zeros(p * r_max, out_features, dtype=weight.dtype, device=weight.device)
+        a_t = a_side.view(in_features, p, r_max).permute(1, 0, 2)  # (p, in, r_max), a view
+        b_t = b_side.view(p, r_max, out_features)
         for j, name in enumerate(names):
             rank = ranks[j]
             a_t[j, :, :rank] = a[j].detach().T
             b_t[j, :rank, :] = (b[j].detach() * module.scaling[name]).T
         index = torch.tensor([i + 1 for i in present], device=weight.device)
-        return a_t, b_t, index
+        return _Factors(a_side, b_side, index, self.n_components - 1)
 
-    def _add_products(
-        self, x: torch.Tensor, output: torch.Tensor, a_t: torch.Tensor, b_t: torch.Tensor, index: torch.Tensor
-    ) -> torch.Tensor:
-        """output[expert rows] += s_i B_i A_i x[expert rows], in place; x (N, ..., in), output (N, ..., out)."""
+    def _add_products(self, x: torch.Tensor, output: torch.Tensor, factors: _Factors) -> torch.Tensor:
+        """output[expert rows] += s_i B_i A_i x[expert rows], in place; x (N, in), output (N, out), N = (k+1)·B·T."""
         n = self.n_components
-        xs = x.reshape(n, -1, x.shape[-1])  # (k+1, B·T, in)
-        contiguous = index.shape[0] == n - 1  # every expert adapts this module: rows 1..k
-        xe = xs[1:] if contiguous else xs.index_select(0, index)  # (p, B·T, in)
-        delta = torch.bmm(torch.bmm(xe.to(a_t.dtype), a_t), b_t)  # (p, B·T, out)
-        out = output.view(n, -1, output.shape[-1])  # (k+1, B·T, out)
-        if contiguous:
+        rows = x.shape[0] // n  # B·T, the rows of one component
+        if factors.complete and (n - 1) * rows <= _FEW_EXPERT_ROWS and x.dtype == factors.a_side.dtype == output.dtype:
+            output[rows:].addmm_(self._side_by_side(x, rows, factors), factors.b_side)
+            return output
+        xs = x.view(n, rows, x.shape[-1])  # (k+1, B·T, in)
+        xe = xs[1:] if factors.complete else xs.index_select(0, factors.index)  # (p, B·T, in)
+        delta = torch.bmm(torch.bmm(xe.to(factors.a_t.dtype), factors.a_t), factors.b_t)  # (p, B·T, out)
+        out = output.view(n, rows, output.shape[-1])  # (k+1, B·T, out)
+        if factors.complete:
             out[1:] += delta.to(out.dtype)
         else:
-            out.index_add_(0, index, delta.to(out.dtype))
+            out.index_add_(0, factors.index, delta.to(out.dtype))
         return output
 
+    def _side_by_side(self, x: torch.Tensor, rows: int, factors: _Factors) -> torch.Tensor:
+        """(x[expert rows] A) ⊙ M, (k·B·T, p·r): each expert's rows keep its own r columns (module docstring)."""
+        group = factors.group
+        if group is None:
+            hidden = torch.mm(x[rows:], factors.a_side)
+            return hidden.mul_(self._mask(rows, (factors.rank,), factors.index.shape[0], hidden))
+        if group.x is not x or group.version != x._version or group.hidden is None:
+            hidden = torch.mm(x[rows:], group.a_side)
+            ranks = tuple(member.rank for member in group.members)
+            group.hidden = hidden.mul_(self._mask(rows, ranks, factors.index.shape[0], hidden))
+            group.x, group.version = x, x._version
+        return group.hidden[:, factors.columns]
+
+    def _mask(self, rows: int, ranks: tuple[int, ...], p: int, like: torch.Tensor) -> torch.Tensor:
+        """(p·rows, p·Σ ranks) 0/1: for each module of rank r, expert i's rows keep that module's r columns of i."""
+        key = (rows, ranks, p)
+        mask = self._masks.get(key)
+        if mask is None or mask.dtype != like.dtype or mask.device != like.device:
+            blocks = [
+                torch.block_diag(*[torch.ones(rows, rank, dtype=like.dtype, device=like.device)] * p) for rank in ranks
+            ]
+            mask = self._masks[key] = torch.cat(blocks, dim=1)
+        return mask
+
     def _hook(
-        self, a_t: torch.Tensor, b_t: torch.Tensor, index: torch.Tensor
+        self, factors: _Factors
     ) -> Callable[[torch.nn.Module, tuple[torch.Tensor, ...], torch.Tensor], torch.Tensor]:
         def add_lora(module: torch.nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
-            return self._add_products(args[0], output, a_t, b_t, index) if self._on else output
+            if not self._on:
+                return output
+            x = args[0].reshape(-1, args[0].shape[-1])
+            return self._add_products(x, output.view(-1, output.shape[-1]), factors).view(output.shape)
 
         return add_lora
 
     def _linear_forward(
-        self, module: torch.nn.Linear, factors: Factors | None
+        self, module: torch.nn.Linear, factors: _Factors | None
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """Replacement forward for an nn.Linear of the shared base.
 
         Outside `active()` it is the plain `F.linear`. Inside, a decoding step has few rows
-        ((k+1)·B); on CPU, `W @ xᵀ` reaches the BLAS's matrix-vector-like kernel, which for a few
-        rows is faster than `F.linear`'s `x @ Wᵀ` (benchmarks/README.md has the measurements).
+        ((k+1)·B). On CPU with torch 2.13's BLAS, `F.linear`'s `x @ Wᵀ` is the faster kernel up to 8 rows
+        and `W @ xᵀ` from 9 to 48 rows, when the weights stream from memory as they do in a model
+        (benchmarks/README.md, "The few-row kernel", has the measurements).
         """
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not self._on:
                 return F.linear(x, module.weight, module.bias)
             rows = x.reshape(-1, x.shape[-1])  # (N, in)
-            if rows.shape[0] <= _FEW_ROWS and rows.device.type == "cpu":
+            if rows.shape[0] in _WX_ROWS and rows.device.type == "cpu":
                 output = torch.mm(module.weight, rows.T).T.contiguous()  # (N, out)
                 if module.bias is not None:
                     output = output + module.bias
             else:
                 output = F.linear(rows, module.weight, module.bias)  # (N, out)
             if factors is not None:
-                output = self._add_products(rows, output, *factors)
+                output = self._add_products(rows, output, factors)
             return output.view(*x.shape[:-1], output.shape[-1])
 
         return forward
@@ -159,6 +249,28 @@ class StackedLoRA:
             yield
         finally:
             self._on = False
+            for group in self._groups:
+                group.clear()  # no input or product is kept from one pass to the next
+
+
+def _same_input_groups(stacked: dict[str, _Factors]) -> list[_SharedInput]:
+    """Siblings named in `_SAME_INPUT` with all experts present and one dtype, device and input size."""
+    by_parent: dict[tuple[str, int], list[tuple[str, _Factors]]] = {}
+    for path, factors in stacked.items():
+        parent, _, name = path.rpartition(".")
+        for index, names in enumerate(_SAME_INPUT):
+            if name in names and factors.complete:
+                by_parent.setdefault((parent, index), []).append((path, factors))
+    groups = []
+    for members in by_parent.values():
+        first = members[0][1].a_side
+        same = all(
+            f.a_side.shape[0] == first.shape[0] and f.a_side.dtype == first.dtype and f.a_side.device == first.device
+            for _, f in members
+        )
+        if len(members) > 1 and same:
+            groups.append(_SharedInput([factors for _, factors in members]))
+    return groups
 
 
 def _weight(layer: torch.nn.Module) -> torch.Tensor:
