@@ -33,6 +33,11 @@ install-vllm: $(VLLM_VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/mergecompose compare configs/letters.yaml --out runs/letters
 
+# The real-model decode benchmark (benchmarks/README.md): SmolLM2-135M-Instruct, fp32, 2 threads, batch 1 and 8.
+bench: $(VENV)/.installed
+	$(BIN)/python -m benchmarks.decode --model smollm2-135m-instruct --systems base full lora --prompt-length 64 \
+		--new-tokens 64 --batch-sizes 1 8 --repeats 3 --threads 2 --out benchmarks/results/decode_smollm2.json
+
 # The strict editable install is a tree of links to the source files: relinking picks up new modules.
 relink: $(VENV)/.installed
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e . --config-settings editable_mode=strict
@@ -48,4 +53,4 @@ test: lint $(VLLM_VENV)/.installed
 	$(BIN)/python -m pytest -q
 	$(VLLM_BIN)/python -m pytest -q tests/integrations/vllm/engine
 
-.PHONY: install install-vllm relink lint run test
+.PHONY: install install-vllm relink lint run test bench

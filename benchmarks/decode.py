@@ -13,7 +13,9 @@ and the speed-up 3·E/(K+3), E = (1 − a^(K+1))/(1 − a), that a draft pass co
 composed step would give.
 
 Models: seeded random ones (the Llama sized by the flags, or `--arch gemma2-2b`), whose LoRA
-experts are small random updates; or, with `--letters RUN_DIR`, the trained letters models of a
+experts are small random updates; or, with `--model DIR` (and `--expert DIR…`), a real base and its
+experts (benchmarks/real_model.py: without `--expert`, two LoRA adapters of rank 8 trained here for a
+few steps), prompts of random token ids; or, with `--letters RUN_DIR`, the trained letters models of a
 `mergecompose compare` run (its cached checkpoints, trained first if missing): coupled positions,
 held-out strings of the joint split, each string's L characters and EOS generated.
 
@@ -24,6 +26,7 @@ measured for each system in its own fresh subprocess (VmHWM, see benchmarks.memo
     python -m benchmarks.decode                   # ~28 M-parameter Llama, batch 1 and 8
     python -m benchmarks.decode --systems base full full+spec --batch-sizes 1 --no-memory
     python -m benchmarks.decode --letters runs/letters --systems base full full+spec lora lora+spec --batch-sizes 1
+    python -m benchmarks.decode --model smollm2-135m-instruct --prompt-length 64 --threads 2   # `make bench`
     python -m benchmarks.decode --smoke           # tiny sizes, one repeat (CI smoke run)
 """
 
@@ -43,7 +46,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from benchmarks.memory import peak_rss_mib
-from benchmarks.report import write_results
+from benchmarks.real_model import add_model_arguments, real_workload
+from benchmarks.report import conditions, conditions_line, write_results
 from mergecompose.composition import ComposedLM, SpeculationStats, compose_logprobs
 from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import ALL_LINEAR, tiny_llama_config
@@ -95,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama: sized by the flags below; gemma2-2b: a random Gemma-2-2B-shaped model",
     )
     add_workload_arguments(parser)
+    add_model_arguments(parser)
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + list(SPECULATIVE))
     parser.add_argument("--draft-tokens", type=int, default=4, help="K, tokens drafted a round by (e) and (f)")
     parser.add_argument(
@@ -174,6 +179,8 @@ class Workbench:
         self.speculation: dict[str, list[SpeculationStats]] = {name: [] for name in SPECULATIVE}
         if getattr(args, "letters", None):
             fresh_base, full_experts, adapters = self._letters_models(args)
+        elif getattr(args, "model", None):
+            fresh_base, full_experts, adapters = self._real_models(args, systems)
         else:
             fresh_base, full_experts, adapters = self._random_models(args)
         self.new_tokens = args.new_tokens
@@ -248,6 +255,40 @@ class Workbench:
         self._decoding = {"max_new_tokens": args.new_tokens}
         self._prompt_batches = self._random_prompts
         return fresh_base, full_experts, {f"expert_{i}": str(folder) for i, folder in enumerate(adapter_dirs)}
+
+    def _real_models(self, args, systems):
+        """A real base and its experts (`--model`, `--expert`), in the benchmark's dtype; prompts of random ids."""
+        from peft import PeftModel
+
+        from mergecompose.core.boundary import check_model_or_adapter
+
+        base_dir, expert_sources = real_workload(args.model, args.expert, progress=not args.memory_child)
+        kinds = [check_model_or_adapter(source, "--expert") for source in expert_sources]
+        dtype = getattr(torch, args.dtype)
+        self.config = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).config
+
+        def fresh_base():
+            model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype).to(self.device)
+            model.generation_config.eos_token_id = None  # every run makes exactly new_tokens tokens
+            model.generation_config.pad_token_id = 0
+            return model.eval()
+
+        def full_experts():
+            return [
+                (
+                    PeftModel.from_pretrained(fresh_base(), source).merge_and_unload()
+                    if kind == "adapter"
+                    else AutoModelForCausalLM.from_pretrained(source, dtype=dtype).to(self.device)
+                ).eval()
+                for source, kind in zip(expert_sources, kinds)
+            ]
+
+        if {"lora", "lora+spec"} & set(systems) and "checkpoint" in kinds:
+            raise SystemExit("--expert: the LoRA systems need adapters; leave lora and lora+spec out of --systems")
+        self.parameters = fresh_base().num_parameters()
+        self._decoding = {"max_new_tokens": args.new_tokens}
+        self._prompt_batches = self._random_prompts
+        return fresh_base, full_experts, {f"expert_{i}": source for i, source in enumerate(expert_sources)}
 
     def _letters_models(self, args):
         """The compare run's trained base, its joint experts (full and LoRA), and held-out joint strings."""
@@ -413,6 +454,8 @@ def peak_rss_mb(args, system: str) -> float:
     ]
     if args.letters:
         command += ["--letters", args.letters]
+    if args.model:
+        command += ["--model", args.model, *(["--expert", *args.expert] if args.expert else [])]
     if args.draft_lambda:
         command += ["--draft-lambda", *map(str, args.draft_lambda)]
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
@@ -441,6 +484,7 @@ def main(argv=None) -> int:
     if args.smoke:
         apply_smoke(args)
     bench = Workbench(args, args.systems)
+    started = conditions(args.repeats)
     parameters = bench.parameters
     results = {
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
@@ -451,6 +495,8 @@ def main(argv=None) -> int:
         "batches": {},
     }
     models = f"letters models of {args.letters}" if args.letters else f"{parameters / 1e6:.1f} M parameters"
+    if args.model:
+        models = f"{args.model} ({models}), experts {args.expert or 'trained by benchmarks/real_model.py'}"
     print(
         f"decode benchmark: {models}, {args.dtype} on {args.device}, "
         f"prompt {args.prompt_length if not args.letters else 'a letter string'}, "
@@ -475,7 +521,9 @@ def main(argv=None) -> int:
         results["batches"][str(batch)] = rows
     if not args.no_memory:
         results["peak_rss_mb"] = {name: peak_rss_mb(args, name) for name in args.systems}
+    results["conditions"] = {"start": started, "end": conditions(args.repeats)}
     print_table(results)
+    print(conditions_line(started, results["conditions"]["end"]))
     write_results(results, args.out)
     return 0
 

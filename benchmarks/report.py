@@ -1,9 +1,44 @@
-"""What every benchmark does last: write its results as JSON."""
+"""What every benchmark does last: say under what conditions it ran, and write its results as JSON."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
+
+
+def conditions(repeats: int) -> dict:
+    """The commit of the checkout, the 1-minute load average now and the number of interleaved repeats.
+
+    Call it at the start and at the end of a run: a figure taken while the load average is well above 0
+    shared the machine with other work."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        commit += "+changes" if dirty else ""
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    return {"commit": commit, "load_average_1min": round(os.getloadavg()[0], 2), "interleaved_repeats": repeats}
+
+
+def conditions_line(start: dict, end: dict) -> str:
+    return (
+        f"commit {start['commit']}, load average {start['load_average_1min']} at the start and "
+        f"{end['load_average_1min']} at the end, median of {start['interleaved_repeats']} interleaved repeats"
+    )
 
 
 def write_results(results: dict, out: str | Path) -> None:

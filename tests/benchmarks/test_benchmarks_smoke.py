@@ -53,3 +53,16 @@ def test_compare_benchmark_runs(tmp_path):
     assert compare.main(["--config", str(config), "--out", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["from_nothing_seconds"] > 0 and results["cached_seconds"] > 0
+
+
+def test_decode_benchmark_runs_on_a_checkpoint_with_its_adapters(tmp_path, checkpoints, lora_dirs):
+    out = tmp_path / "decode.json"
+    experts = [str(lora_dirs["ab"]), str(lora_dirs["cd"])]
+    systems = ["base", "full", "lora", "full+spec"]
+    argv = ["--smoke", "--model", str(checkpoints / "base"), "--expert", *experts, "--systems", *systems]
+    assert decode.main([*argv, "--out", str(out), "--no-memory"]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["batches"]["1"]) == set(systems)
+    assert results["args"]["model"] == str(checkpoints / "base")
+    assert set(results["conditions"]) == {"start", "end"}
+    assert results["conditions"]["start"]["interleaved_repeats"] == 1
