@@ -66,7 +66,7 @@ class DecodingConfig:
     with the kept part of the prompt.
 
     **Speculative decoding** (speculative.py): with `draft`, a draft model proposes
-    `num_draft_tokens` = K tokens (default 4, fixed: K does not adapt), the components score
+    up to `num_draft_tokens` = K_max tokens a round (default 4), the components score
     all K+1 positions in one pass each, and the acceptance rule of Leviathan et al. (2023)
     keeps the output exactly that of decoding without a draft: greedy, token for token (up to
     float rounding between one pass over K+1 tokens and K+1 passes over one); sampling, in
@@ -77,7 +77,13 @@ class DecodingConfig:
     gives them; it is built once per λ and kept (`merged_draft`). A model given as `draft`
     must have the composition's vocabulary and device, and, where both are known, the same
     tokenizer (`draft_tokenizer`). Rows of a batch accept their own numbers of tokens.
-    `speculation_stats` then says what happened (acceptance rate, tokens per round). With
+    `speculation_stats` then says what happened (acceptance rate, tokens per round).
+    With `adaptive_draft` (default True) each round's K is chosen from 0…K_max by the acceptance
+    rate and the round times seen so far (draft_length.py), K = 0 being a plain decoding step: where
+    drafting costs more than it saves, decoding falls back to plain steps and tries a draft again now
+    and then. Greedy output stays token for token that of plain decoding; sampled draws then depend
+    on timings too, so pass `adaptive_draft=False` (K fixed at `num_draft_tokens`) for draws that
+    repeat from run to run with a seed. With
     LoRA experts on one shared base this warns: composing them already costs about one
     pass of the base, so a draft can only add work.
 
@@ -103,6 +109,7 @@ class DecodingConfig:
     num_draft_tokens: int | None = None
     draft_lambda: Sequence[float] | None = None
     draft_tokenizer: PreTrainedTokenizerBase | None = field(default=None, repr=False)
+    adaptive_draft: bool = True
 
     def __post_init__(self) -> None:
         self._check_sampling()
@@ -204,6 +211,8 @@ class DecodingConfig:
     def _check_draft(self) -> None:
         """The speculative-decoding options that need no composition to check."""
         draft, draft_lambda, draft_tokenizer = self.draft, self.draft_lambda, self.draft_tokenizer
+        if self.adaptive_draft not in (True, False):
+            raise ValueError(f"`adaptive_draft` must be True or False, got {self.adaptive_draft!r}")
         if draft is None:
             options = [("num_draft_tokens", self.num_draft_tokens), ("draft_lambda", draft_lambda)]
             given = [name for name, value in [*options, ("draft_tokenizer", draft_tokenizer)] if value is not None]

@@ -328,6 +328,7 @@ class ComposedLM:
         num_draft_tokens: int | None = None,
         draft_lambda: Sequence[float] | None = None,
         draft_tokenizer: PreTrainedTokenizerBase | None = None,
+        adaptive_draft: bool = True,
         config: DecodingConfig | None = None,
     ) -> torch.Tensor:
         """Decode from the composed distribution with one KV cache per component (or one shared one).
@@ -368,6 +369,7 @@ class ComposedLM:
             num_draft_tokens=num_draft_tokens,
             draft_lambda=draft_lambda,
             draft_tokenizer=draft_tokenizer,
+            adaptive_draft=adaptive_draft,
         )
         config.check_draft_fits(
             self.num_experts, self.device, self.vocab_size, self.tokenizer, self.backend.shares_one_base
@@ -396,7 +398,7 @@ class ComposedLM:
         draft_model = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
         draft_backend = SeparateModels([draft_model])
         sequences, self.speculation_stats, invalid = speculative_decode(
-            self.backend, draft_backend, compose, prompt, stopping, sampler, config.draft_tokens
+            self.backend, draft_backend, compose, prompt, stopping, sampler, config.draft_tokens, config.adaptive_draft
         )
         if invalid:
             raise ValueError(NAN_COMPOSITION)

@@ -14,6 +14,7 @@ models every row advances by the batch's shortest acceptance instead, which is e
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,6 +23,7 @@ import torch
 from mergecompose.composition.acceptance import greedy_accepted, outcome_probabilities, round_tokens
 from mergecompose.composition.architecture import bias_dtype, has_sliding_window
 from mergecompose.composition.backend import Backend, Caches
+from mergecompose.composition.draft_length import DraftLength
 from mergecompose.composition.inputs import Prompt
 from mergecompose.composition.sampling import Compose, Sampler
 from mergecompose.composition.stops import StopCriteria, Stopping
@@ -40,6 +42,7 @@ class SpeculationStats:
             first rejection); accepted: accepted drafts.
         emitted: tokens emitted (accepted drafts and one residual or bonus token a round, up to EOS
             and `max_new_tokens`).
+        plain_rounds: rounds that drafted nothing (K = 0, a plain decoding step), chosen by the adaptive K.
     """
 
     num_draft_tokens: int
@@ -50,6 +53,7 @@ class SpeculationStats:
     tested: int = 0
     accepted: int = 0
     emitted: int = 0
+    plain_rounds: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -90,6 +94,7 @@ def speculative_decode(
     stopping: Stopping,
     sampler: Sampler,
     num_draft_tokens: int,
+    adaptive: bool = True,
 ) -> tuple[torch.Tensor, SpeculationStats, torch.Tensor]:
     """Decode with a draft; returns (sequences `(B, P + n)`, statistics, a greedy-NaN flag on the device).
 
@@ -101,21 +106,36 @@ def speculative_decode(
         stopping: as in `ComposedLM.generate`: a row that emits EOS or completes a stop string is
             finished, and the pad id fills its later positions.
         sampler: greedy, or the warpers applied to the target and to the draft alike before the test.
-        num_draft_tokens: K, the tokens drafted a round (fewer where fewer are left to generate).
+        num_draft_tokens: K, the tokens drafted a round (fewer where fewer are left to generate); with
+            `adaptive`, the most a round drafts, each round's K chosen by `DraftLength` (draft_length.py),
+            0 being a plain decoding step.
     """
     state = _Speculation(target, draft, compose, prompt, stopping, sampler, num_draft_tokens)
+    lengths = DraftLength(num_draft_tokens, adaptive, draft_cost=_parameters(draft) / _parameters(target))
     remaining = prompt.max_new_tokens  # the most tokens a row still generating may emit
     while True:
-        count = min(num_draft_tokens, remaining - 1)
+        count = min(lengths.next(), remaining - 1)
         start = state.columns.used  # the round's first draft column
+        unseen = start - state.draft.cached  # columns the draft has to catch up with before drafting
+        tested, accepted_before, began = state.stats.tested, state.stats.accepted, time.perf_counter()
         draft_probabilities = state.propose(count)
         accepted, next_tokens = state.verify(start, draft_probabilities)
-        outcome = state.emit(start, accepted, next_tokens)
+        outcome = state.emit(start, accepted, next_tokens)  # reads from the device: the round is done
+        seconds = time.perf_counter() - began
+        timed = count == 0 or unseen <= 3
+        tests = state.stats.tested - tested
+        lengths.update(count, state.stats.accepted - accepted_before, tests, seconds if timed else None)
+        state.stats.plain_rounds += count == 0
         remaining = outcome.remaining
         if remaining == 0:
             break
         state.roll_back(start, outcome)
     return state.output[:, : state.prompt_length + int(state.emitted.max())], state.stats, state.invalid
+
+
+def _parameters(backend: Backend) -> int:
+    """The parameters a forward pass of `backend` reads: every model it runs (one shared base: once)."""
+    return sum(parameter.numel() for model in backend.models for parameter in model.parameters())
 
 
 class _Columns:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from scipy import stats
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from mergecompose.analysis.data import char_tokenizer
-from mergecompose.composition import ComposedLM
+from mergecompose.composition import ComposedLM, speculative
 from mergecompose.composition.acceptance import (
     acceptance_probabilities,
     greedy_accepted,
@@ -27,6 +28,7 @@ from mergecompose.composition.acceptance import (
     round_outcomes,
     round_tokens,
 )
+from mergecompose.composition.draft_length import DraftLength, expected_tokens
 from mergecompose.composition.remedies import (
     ActivityGate,
     PlausibilityFilter,
@@ -406,10 +408,13 @@ def test_a_draft_equal_to_the_target_is_always_accepted(base_model, expert_model
     """One expert at weight 1 composes to that expert; as its own draft every token is accepted."""
     lm = ComposedLM(base_model, expert_models[:1])
     ids = torch.tensor([[7, 8, 9]])
-    plain, fast = greedy_pair(lm, ids, max_new_tokens=13, eos_token_id=[], draft=expert_models[0], num_draft_tokens=4)
+    plain, fast = greedy_pair(
+        lm, ids, max_new_tokens=13, eos_token_id=[], draft=expert_models[0], num_draft_tokens=4, adaptive_draft=False
+    )
     assert torch.equal(plain, fast)
     statistics = lm.speculation_stats
-    # Rounds of 5, 5 and 3 tokens: 4 + 4 + 2 drafts (a round drafts at most the tokens left − 1).
+    # K fixed (adaptive_draft=False): rounds of 5, 5 and 3 tokens, 4 + 4 + 2 drafts
+    # (a round drafts at most the tokens left − 1).
     assert (statistics.acceptance_rate, statistics.rounds, statistics.draft_passes) == (1.0, 3, 10)
     assert statistics.tokens_per_round == 13 / 3
     lm.generate(ids, max_new_tokens=13, eos_token_id=[], do_sample=True, seed=0, draft="merged", num_draft_tokens=4)
@@ -426,7 +431,14 @@ def test_greedy_speculation_with_lora_experts_rolls_back_the_shared_cache(implem
     plain = lm.generate(ids, mask, max_new_tokens=20, eos_token_id=EOS, pad_token_id=PAD)
     with pytest.warns(UserWarning, match="share one base.*can only lose"):
         fast = lm.generate(
-            ids, mask, max_new_tokens=20, eos_token_id=EOS, pad_token_id=PAD, draft="merged", num_draft_tokens=3
+            ids,
+            mask,
+            max_new_tokens=20,
+            eos_token_id=EOS,
+            pad_token_id=PAD,
+            draft="merged",
+            num_draft_tokens=3,
+            adaptive_draft=False,  # every round drafts: the roll-back happens in each
         )
     assert torch.equal(plain, fast)
     assert 0 < lm.speculation_stats.accepted < lm.speculation_stats.tested  # both outcomes happened
@@ -636,3 +648,119 @@ def test_merged_lora_draft_is_task_arithmetic(implementation, tiny_config, lora_
     lm.close()
     for name, tensor in base.state_dict().items():  # the caller's base, given back, is as it was
         assert torch.equal(tensor, reference.state_dict()[name])
+
+
+# ----------------------------------------------------------------------------- the adaptive K (draft_length.py)
+# The policy on given timings, and exactness under any K schedule: whatever K each round drafts (0 being
+# a plain step), greedy output equals plain greedy output token for token and sampled continuations fit
+# the composed joint. The schedules are forced, so that every kind of switch happens (a plain step
+# first, drafting after plain steps, K rising and falling).
+
+
+def test_expected_tokens_golden():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def play(policy: DraftLength, acceptance: float, draft_pass: float, verify: float, rounds: int) -> list[int]:
+    """Run `policy` against a machine where a draft pass costs `draft_pass`, a target pass `verify` + 0.01·K, and
+    every draft is accepted with rate `acceptance` exactly in expectation (accepted = a · tested)."""
+    chosen = []
+    for _ in range(rounds):
+        k = policy.next()
+        chosen.append(k)
+        tested = k  # every draft tested: the expected counts
+        policy.update(k, acceptance * tested, tested, k * draft_pass + verify + 0.01 * k)
+    return chosen
+
+
+def test_a_poor_draft_falls_back_to_plain_steps_and_probes_now_and_then():
+    chosen = play(DraftLength(4, draft_cost=0.4), acceptance=0.05, draft_pass=0.4, verify=1.0, rounds=60)
+    assert chosen[:2] == [1, 0]  # one draft (that round also fills the caches), then a timed plain step
+    later = chosen[2:]
+    assert later.count(0) >= 55 and sum(k > 0 for k in later) <= 2  # plain steps; probes after 64, 128... rounds
+    probed = play(DraftLength(4, draft_cost=0.4), acceptance=0.05, draft_pass=0.4, verify=1.0, rounds=300)
+    assert 2 <= sum(k > 0 for k in probed[2:]) <= 5
+
+
+def test_a_good_draft_keeps_drafting_and_a_cheap_one_drafts_the_most():
+    assert set(play(DraftLength(4, draft_cost=0.1), acceptance=0.95, draft_pass=0.1, verify=1.0, rounds=30)[3:]) == {4}
+    middle = play(DraftLength(4, draft_cost=0.3), acceptance=0.6, draft_pass=0.3, verify=1.0, rounds=30)[3:]
+    assert 0 not in middle and max(middle) < 4  # drafting pays, but not four tokens a round
+
+
+def test_a_fixed_k_ignores_what_it_sees():
+    assert set(play(DraftLength(3, adaptive=False), acceptance=0.0, draft_pass=1.0, verify=1.0, rounds=10)) == {3}
+
+
+def test_an_untimed_round_does_not_move_the_times():
+    policy = DraftLength(2)
+    for _ in range(3):
+        policy.next()
+    policy.update(2, 1, 2, None)
+    assert policy.plain_seconds is None and policy.draft_pass_seconds is None
+
+
+class Schedule:
+    """A DraftLength that drafts K from a fixed cycle, for the exactness tests."""
+
+    cycle: tuple[int, ...] = ()
+
+    def __init__(self, max_draft_tokens: int, adaptive: bool = True, **costs) -> None:
+        self.ks = itertools.cycle(self.cycle)
+        self.max_draft_tokens = max_draft_tokens
+
+    def next(self) -> int:
+        return min(next(self.ks), self.max_draft_tokens)
+
+    def update(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cycle", [(0, 3, 1, 0, 0, 2), (0,), (2, 0)])
+@pytest.mark.parametrize("which", ["noisy", "unrelated"])
+def test_greedy_output_under_any_k_schedule_equals_plain_decoding(
+    which, cycle, noisy_composition, unrelated_composition, monkeypatch
+):
+    monkeypatch.setattr(speculative, "DraftLength", type("Forced", (Schedule,), {"cycle": cycle}))
+    lm = {"noisy": noisy_composition, "unrelated": unrelated_composition}[which]
+    ids, mask = left_padded_batch([5, 9, 2, 7], seed=3)
+    options = dict(max_new_tokens=24, eos_token_id=[EOS, 11], pad_token_id=PAD)
+    plain = lm.generate(ids, mask, **options)
+    fast = lm.generate(ids, mask, draft="merged", num_draft_tokens=3, **options)
+    assert torch.equal(plain, fast)
+    assert lm.speculation_stats.plain_rounds > 0
+    assert (lm.speculation_stats.drafted > 0) == (cycle != (0,))
+
+
+def test_sampled_continuations_under_a_k_schedule_fit_the_composed_joint(noisy_composition, monkeypatch):
+    """As `test_sampled_continuations_fit_the_composed_joint` (test_speculative.py), rounds of K = 0, 1, 0, 1…:
+    a plain step first, then a draft that catches up on a token it has not seen."""
+    monkeypatch.setattr(speculative, "DraftLength", type("Forced", (Schedule,), {"cycle": (0, 1)}))
+    lm, vocab, samples, batch = noisy_composition, 64, 100_000, 50_000
+    warpers = sampling_warpers(True, 1.2, None, 0.95)
+    prompt = torch.tensor([[5, 17, 33, 9]])
+    pairs = torch.cartesian_prod(torch.arange(vocab), torch.arange(vocab))
+    inputs = torch.cat([prompt.expand(len(pairs), -1), pairs], dim=1)
+    joint = joint_of(conditionals(lm.logprobs(inputs), warpers, prompt.shape[1], vocab), 3)  # (V, V, V)
+    drawn = []
+    for seed in range(samples // batch):
+        out = lm.generate(
+            prompt.expand(batch, -1),
+            max_new_tokens=3,
+            do_sample=True,
+            temperature=1.2,
+            top_p=0.95,
+            eos_token_id=[],
+            seed=seed,
+            draft="merged",
+            num_draft_tokens=2,
+        )
+        drawn.append(out[:, prompt.shape[1] :])
+        assert lm.speculation_stats.plain_rounds > 0 and lm.speculation_stats.tested > 0
+    drawn = torch.cat(drawn)
+    flat = (drawn[:, 0] * vocab + drawn[:, 1]) * vocab + drawn[:, 2]
+    first_two = torch.bincount(drawn[:, 0] * vocab + drawn[:, 1], minlength=vocab**2)
+    assert chi_square(first_two, joint.sum(-1).flatten()).pvalue > 0.01
+    assert chi_square(torch.bincount(flat, minlength=vocab**3), joint.flatten()).pvalue > 0.01
