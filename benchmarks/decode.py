@@ -416,7 +416,8 @@ def speculation_summary(runs: list[SpeculationStats], draft_tokens: int) -> dict
     """The acceptance statistics summed over `runs`, and the speed-up 3·E/(K+3) they predict for 2 full experts."""
     total = SpeculationStats(draft_tokens)
     for stats in runs:
-        for field in ["rounds", "row_rounds", "draft_passes", "drafted", "tested", "accepted", "emitted", "plain_rounds"]:
+        fields = ["rounds", "row_rounds", "draft_passes", "drafted", "tested", "accepted", "emitted", "plain_rounds"]
+        for field in fields:
             setattr(total, field, getattr(total, field) + getattr(stats, field))
     a = total.acceptance_rate
     expected = (draft_tokens + 1) if a == 1 else (1 - a ** (draft_tokens + 1)) / (1 - a)
