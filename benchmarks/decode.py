@@ -122,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-system memory subprocesses")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timings, run each system once at the first batch size under torch.profiler and print its "
+        "N most expensive operators (self CPU time)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and one repeat, to prove it runs")
     parser.add_argument("--out", default="benchmarks/results/decode.json")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
@@ -522,11 +530,35 @@ def main(argv=None) -> int:
         results["batches"][str(batch)] = rows
     if not args.no_memory:
         results["peak_rss_mb"] = {name: peak_rss_mb(args, name) for name in args.systems}
+    if args.profile:
+        results["profile"] = profile_systems(bench, args.batch_sizes[0], args.profile)
     results["conditions"] = {"start": started, "end": conditions(args.repeats)}
     print_table(results)
     print(conditions_line(started, results["conditions"]["end"]))
     write_results(results, args.out)
     return 0
+
+
+def profile_systems(bench: Workbench, batch: int, rows: int) -> dict[str, list[dict]]:
+    """Each system's `rows` most expensive operators (self CPU time) in one run at `batch`, printed and returned."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = bench.prompts(batch)
+    tables = {}
+    for name, system in bench.systems.items():
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            for prompt in prompts:
+                system(prompt)
+        events = sorted(profiler.key_averages(), key=lambda event: -event.self_cpu_time_total)
+        total = sum(event.self_cpu_time_total for event in events)
+        tables[name] = [
+            {"operator": event.key, "calls": event.count, "self_cpu_ms": event.self_cpu_time_total / 1e3}
+            for event in events[:rows]
+        ]
+        print(f"profile of {NAMES[name]}, batch {batch}: self CPU {total / 1e3:.0f} ms in all")
+        table = [[row["operator"], row["calls"], f"{row['self_cpu_ms']:.1f}"] for row in tables[name]]
+        print(markdown_table(["operator", "calls", "self CPU ms"], table, pad=True))
+    return tables
 
 
 def _ratio(row, key) -> str:

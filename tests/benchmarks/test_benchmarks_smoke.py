@@ -60,9 +60,10 @@ def test_decode_benchmark_runs_on_a_checkpoint_with_its_adapters(tmp_path, check
     experts = [str(lora_dirs["ab"]), str(lora_dirs["cd"])]
     systems = ["base", "full", "lora", "full+spec"]
     argv = ["--smoke", "--model", str(checkpoints / "base"), "--expert", *experts, "--systems", *systems]
-    assert decode.main([*argv, "--out", str(out), "--no-memory"]) == 0
+    assert decode.main([*argv, "--out", str(out), "--no-memory", "--profile", "3"]) == 0
     results = json.loads(out.read_text())
     assert set(results["batches"]["1"]) == set(systems)
+    assert set(results["profile"]) == set(systems) and all(len(rows) == 3 for rows in results["profile"].values())
     assert results["args"]["model"] == str(checkpoints / "base")
     assert set(results["conditions"]) == {"start", "end"}
     assert results["conditions"]["start"]["interleaved_repeats"] == 1
