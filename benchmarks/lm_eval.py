@@ -15,7 +15,11 @@ as `model=` to `simple_evaluate`; one warm-up each, then `--repeats` rounds in w
 runs `simple_evaluate` once (interleaved); the median per system. Tokens are those actually
 generated (each response re-tokenized), so a row that stops at EOS counts what it made.
 
+With `--model DIR` (and `--expert DIR…`, benchmarks/real_model.py) the base and experts are those
+checkpoints instead, with the base's own tokenizer; the prompts are random token ids decoded to text.
+
     python -m benchmarks.lm_eval               # decode's default model, batch 1 and 8
+    python -m benchmarks.lm_eval --model smollm2-135m-instruct --prompts 4 --prompt-length 64 --repeats 3 --threads 2
     python -m benchmarks.lm_eval --smoke       # tiny sizes, one repeat (CI smoke run)
 """
 
@@ -35,11 +39,12 @@ import lm_eval
 import torch
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers `composed` with lm-eval)
 from benchmarks.decode import Workbench, _sync, add_workload_arguments
-from benchmarks.report import write_results
+from benchmarks.real_model import add_model_arguments, real_workload
+from benchmarks.report import conditions, conditions_line, write_results
 from mergecompose.analysis.data import SPECIAL_TOKENS, char_tokenizer
 from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import random_lora_adapter
@@ -54,6 +59,7 @@ NEVER = "zyxwvutsrq"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser)  # decode's model, adapters and prompt sizes
+    add_model_arguments(parser)
     parser.add_argument("--prompts", type=int, default=16, help="documents in the task")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
@@ -105,7 +111,7 @@ def write_task(args, folder: Path, tokenizer) -> Path:
     ids = torch.randint(
         len(SPECIAL_TOKENS), tokenizer.vocab_size, (args.prompts, args.prompt_length), generator=generator
     )
-    rows = [{"text": tokenizer.decode(row), "target": ""} for row in ids.tolist()]
+    rows = [{"text": tokenizer.decode(row, skip_special_tokens=True), "target": ""} for row in ids.tolist()]
     data = folder / "prompts.jsonl"
     data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     tasks = folder / "tasks"
@@ -184,8 +190,14 @@ def main(argv=None) -> int:
         apply_smoke(args)
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
-        base, experts, parameters = save_checkpoints(args, folder)
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(base)
+        if args.model:
+            base_source, expert_sources = real_workload(args.model, args.expert)
+            base, experts = Path(base_source), [Path(source) for source in expert_sources]
+            parameters = None  # not loaded here: lm-eval's models load the checkpoints
+        else:
+            base, experts, parameters = save_checkpoints(args, folder)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        started = conditions(args.repeats)
         task_manager = TaskManager(include_path=str(write_task(args, folder, tokenizer)), include_defaults=False)
         results = {
             "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch threads",
@@ -196,8 +208,13 @@ def main(argv=None) -> int:
             "args": vars(args),
             "batches": {},
         }
+        size = (
+            f"{parameters / 1e6:.1f} M parameters"
+            if parameters
+            else f"{args.model}, experts {args.expert or 'trained'}"
+        )
         print(
-            f"lm-eval generate_until benchmark: {parameters / 1e6:.1f} M parameters, {args.dtype} on {args.device}, "
+            f"lm-eval generate_until benchmark: {size}, {args.dtype} on {args.device}, "
             f"{args.prompts} prompts of {args.prompt_length} tokens, up to {args.new_tokens} new tokens, "
             f"median of {args.repeats}"
         )
@@ -208,7 +225,9 @@ def main(argv=None) -> int:
             for name in rows:
                 rows[name]["ratio_to_hf"] = rows[name]["tokens_per_second"] / rows["hf"]["tokens_per_second"]
             results["batches"][str(batch)] = rows
+        results["conditions"] = {"start": started, "end": conditions(args.repeats)}
     print_table(results)
+    print(conditions_line(started, results["conditions"]["end"]))
     write_results(results, args.out)
     return 0
 

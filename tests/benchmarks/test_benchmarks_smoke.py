@@ -67,3 +67,14 @@ def test_decode_benchmark_runs_on_a_checkpoint_with_its_adapters(tmp_path, check
     assert results["args"]["model"] == str(checkpoints / "base")
     assert set(results["conditions"]) == {"start", "end"}
     assert results["conditions"]["start"]["interleaved_repeats"] == 1
+
+
+def test_lm_eval_benchmark_runs_on_the_real_model_with_its_adapters(tmp_path, smollm2_dir, smollm2_adapters):
+    out = tmp_path / "lm_eval.json"
+    experts = [str(smollm2_adapters["math"]), str(smollm2_adapters["code"])]
+    argv = ["--smoke", "--model", str(smollm2_dir), "--expert", *experts, "--batch-sizes", "2", "--prompts", "2"]
+    assert lm_eval_benchmark.main([*argv, "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    rows = results["batches"]["2"]
+    assert set(rows) == {"hf", "composed"} and all(row["tokens"] > 0 for row in rows.values())
+    assert results["args"]["model"] == str(smollm2_dir)
