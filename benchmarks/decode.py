@@ -49,6 +49,7 @@ from benchmarks.memory import peak_rss_mib
 from benchmarks.real_model import add_model_arguments, real_workload
 from benchmarks.report import conditions, conditions_line, write_results
 from mergecompose.composition import ComposedLM, SpeculationStats, compose_logprobs
+from mergecompose.core.boundary import check_model_or_adapter
 from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import ALL_LINEAR, tiny_llama_config
 from mergecompose.experiments.components import prepare_components
@@ -267,8 +268,6 @@ class Workbench:
     def _real_models(self, args, systems):
         """A real base and its experts (`--model`, `--expert`), in the benchmark's dtype; prompts of random ids."""
         from peft import PeftModel
-
-        from mergecompose.core.boundary import check_model_or_adapter
 
         base_dir, expert_sources = real_workload(args.model, args.expert, progress=not args.memory_child)
         kinds = [check_model_or_adapter(source, "--expert") for source in expert_sources]
