@@ -9,7 +9,14 @@ every projection) and two full experts, saved to a temporary folder; `mergecompo
 both compositions. Each system gets its own engine, one after the other in this process; each batch of
 prompts (length 16) decodes `--new-tokens` tokens greedily, EOS ignored, after one warm-up batch. Ratios are
 composed tokens/s over the base's, measured in the same run, by the clock and per CPU-second of this process (the
-steadier figure on shared cores).
+steadier figure on shared cores). The systems run one after the other (not interleaved); each point is the
+best of `--repeats` timed batches.
+
+With `--model DIR|NAME` (and `--expert DIR…`, benchmarks/real_model.py) the base and its LoRA experts are those
+checkpoints instead; the full-expert composition then uses each adapter merged into a copy of the base:
+
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m benchmarks.vllm_throughput \
+        --model smollm2-135m-instruct --repeats 3
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.lm_eval import benchmark_characters
-from benchmarks.report import write_results
+from benchmarks.real_model import add_model_arguments, real_workload
+from benchmarks.report import conditions, write_results
 from mergecompose.analysis.data import SPECIAL_TOKENS, char_tokenizer
 from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
@@ -41,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=2, help="timed batches per point (the best is kept)")
     parser.add_argument("--out", default="benchmarks/results/vllm_throughput.json")
+    add_model_arguments(parser)
     return parser
 
 
@@ -67,6 +76,27 @@ def save_models(args, folder: Path) -> dict[str, Path]:
         "base": folder / "base",
         "composed, 2 LoRA experts": build_vllm_model(folder / "composed_lora", folder / "base", loras),
         "composed, 2 full experts": build_vllm_model(folder / "composed_full", folder / "base", fulls),
+    }
+
+
+def save_real_models(args, folder: Path) -> dict[str, Path]:
+    """The real base, a composition of its LoRA experts and one of the same experts merged into full checkpoints."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base, experts = real_workload(args.model, args.expert)
+    if any(not (Path(expert) / "adapter_config.json").is_file() for expert in experts):
+        raise SystemExit("--expert: this benchmark needs LoRA adapters (it also merges them into full experts)")
+    args.vocab = AutoConfig.from_pretrained(base).vocab_size
+    fulls = []
+    for index, adapter in enumerate(experts):
+        merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).merge_and_unload()
+        merged.save_pretrained(folder / f"full_{index}")
+        fulls.append(folder / f"full_{index}")
+    return {
+        "base": Path(base),
+        "composed, 2 LoRA experts": build_vllm_model(folder / "composed_lora", base, experts),
+        "composed, 2 full experts": build_vllm_model(folder / "composed_full", base, fulls),
     }
 
 
@@ -101,7 +131,9 @@ def main(argv=None) -> int:
 
     results = {"settings": vars(args), "systems": {}}
     with tempfile.TemporaryDirectory() as temporary:
-        for system, folder in save_models(args, Path(temporary)).items():
+        folders = save_real_models(args, Path(temporary)) if args.model else save_models(args, Path(temporary))
+        started_conditions = conditions(args.repeats)
+        for system, folder in folders.items():
             start = time.perf_counter()
             engine = LLM(model=str(folder), dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
             started = time.perf_counter() - start
@@ -136,6 +168,13 @@ def main(argv=None) -> int:
             ],
             rows,
         )
+    )
+    results["conditions"] = {"start": started_conditions, "end": conditions(args.repeats)}
+    start, end = results["conditions"]["start"], results["conditions"]["end"]
+    print(
+        f"commit {start['commit']}, load average {start['load_average_1min']} at the start and "
+        f"{end['load_average_1min']} at the end; each point the best of {args.repeats} timed batches, "
+        "the systems one after the other"
     )
     write_results(results, args.out)
     return 0
