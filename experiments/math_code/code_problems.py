@@ -66,6 +66,7 @@ class Spec:
     body: str  # the reference's body after `def name(arguments):\n    `
     wrong: str  # the near miss's body
     cases: list[Case]
+    name: str | None = None  # the function's name, if not the template's
 
 
 def _numbers(rng: random.Random, low: int = 0, high: int = 30, size: tuple[int, int] = (0, 6)) -> list[int]:
@@ -206,6 +207,186 @@ def every_kth(rng: random.Random) -> Spec:
         f"return numbers[1::{k}]",
         _cases(lambda numbers: numbers[::k], inputs),
     )
+
+
+# Procedural train templates: each composes a function from pools of parts (a filter, a map, an
+# aggregate; a word test; a string transform), so the train split asks for many more kinds of function
+# than the fixed templates above. None of them asks for what a validation or test template asks for:
+# no range filters, letter sets, digit sums, word-order reversals, word lengths, replacements, padding,
+# running totals, products or pairwise sums.
+
+Part = tuple[str, str, str]  # (name slug, words in the description, code)
+
+
+def _composed(
+    name: str, arguments: str, description: str, body: str, wrong: str, inputs: Sequence[tuple[object, ...]]
+) -> Spec | None:
+    """The spec of `return body`, its expected values computed by running it; None if `wrong` passes too."""
+    solve, miss = _compiled(arguments, body), _compiled(arguments, wrong)
+    cases = _cases(solve, inputs)
+    if all(miss(*arguments) == expected for arguments, expected in cases):
+        return None
+    return Spec(arguments, description, f"return {body}", f"return {wrong}", cases, name)
+
+
+def _compiled(arguments: str, body: str) -> Callable[..., object]:
+    """The function `lambda arguments: body` (the generator's own expressions, never a model's)."""
+    return eval(f"lambda {arguments}: {body}")  # noqa: S307
+
+
+def _number_filters(k: int) -> list[Part]:
+    return [
+        ("above", f"greater than {k}", f"x > {k}"),
+        ("below", f"less than {k}", f"x < {k}"),
+        ("at_least", f"at least {k}", f"x >= {k}"),
+        ("at_most", f"at most {k}", f"x <= {k}"),
+        ("even", "even", "x % 2 == 0"),
+        ("odd", "odd", "x % 2 == 1"),
+        ("not", f"not equal to {k}", f"x != {k}"),
+    ]
+
+
+def _number_maps(m: int) -> list[Part]:
+    return [
+        ("plus", f"plus {m}", f"x + {m}"),
+        ("minus", f"minus {m}", f"x - {m}"),
+        ("times", f"times {m}", f"x * {m}"),
+        ("squared", "squared", "x * x"),
+        ("halved", "halved and rounded down", "x // 2"),
+    ]
+
+
+def number_query(rng: random.Random) -> Spec:
+    """A list, sum, count, maximum, any or all over the elements of `numbers` that pass a filter, maybe mapped."""
+    while True:
+        k, m = rng.randint(0, 20), rng.randint(2, 9)
+        test_name, test, condition = rng.choice(_number_filters(k))
+        map_name, mapped, expression = rng.choice(_number_maps(m))
+        negated = f"not ({condition})"
+        aggregate = rng.choice(("list", "sum", "count", "max", "any", "all"))
+        if aggregate == "list":
+            description = f"returns a list of each element of `numbers` that is {test}, {mapped}, in their order."
+            body, wrong = (
+                f"[{expression} for x in numbers if {condition}]",
+                f"[{expression} for x in numbers if {negated}]",
+            )
+        elif aggregate == "sum":
+            description = f"returns the sum of the elements of `numbers` that are {test}, each {mapped} first."
+            body, wrong = f"sum({expression} for x in numbers if {condition})", f"sum({expression} for x in numbers)"
+        elif aggregate == "count":
+            description = f"returns how many elements of `numbers` are {test}."
+            body, wrong = f"sum(1 for x in numbers if {condition})", f"sum(1 for x in numbers if {negated})"
+        elif aggregate == "max":
+            description = f"returns the largest element of `numbers` that is {test}, or -1 if there is none."
+            body, wrong = f"max((x for x in numbers if {condition}), default=-1)", "max(numbers, default=-1)"
+        elif aggregate == "any":
+            description = f"returns True if some element of `numbers` is {test}, and False otherwise."
+            body, wrong = f"any({condition} for x in numbers)", f"all({condition} for x in numbers)"
+        else:
+            description = f"returns True if every element of `numbers` is {test}, and False otherwise."
+            body, wrong = f"all({condition} for x in numbers)", f"any({condition} for x in numbers)"
+        inputs = [([k - 1, k, k + 1, k + 2],), ([],), *((_numbers(rng),) for _ in range(3))]
+        mapped_name = f"{map_name}_" if aggregate in ("list", "sum") else ""
+        name = f"{aggregate}_{mapped_name}{test_name}".replace("list_", "keep_").replace("max_", "largest_")
+        spec = _composed(name, "numbers", description, body, wrong, inputs)
+        if spec is not None:
+            return spec
+
+
+def word_query(rng: random.Random) -> Spec:
+    """A list, count or joined string of the words of `sentence` that pass a letter test, maybe transformed."""
+    while True:
+        c = rng.choice("abcdefgh")
+        tests = [
+            (f"starting_{c}", f"start with {c!r}", f"word.startswith({c!r})"),
+            (f"ending_{c}", f"end with {c!r}", f"word.endswith({c!r})"),
+            (f"with_{c}", f"contain the letter {c!r}", f"{c!r} in word"),
+        ]
+        maps = [
+            ("words", "", "word"),
+            ("upper_words", " in upper case", "word.upper()"),
+            ("reversed_words", ", each reversed", "word[::-1]"),
+            ("capitalized_words", ", each with its first letter in upper case", "word.capitalize()"),
+            ("initials", ", each as its first letter", "word[0]"),
+        ]
+        test_name, test, condition = rng.choice(tests)
+        map_name, mapped, expression = rng.choice(maps)
+        separator = rng.choice((" ", "-", ", ", "_", "+", ";"))
+        aggregate = rng.choice(("list", "count", "join"))
+        words = f"the words of `sentence` (separated by spaces) that {test}"
+        name = f"{aggregate}_{map_name}_{test_name}".replace("list_", "")
+        if aggregate == "list":
+            description = f"returns a list of {words}{mapped}, in their order."
+            body = f"[{expression} for word in sentence.split() if {condition}]"
+            wrong = f"[{expression} for word in sentence.split() if not {condition}]"
+        elif aggregate == "count":
+            name = f"count_words_{test_name}"
+            description = f"returns how many words of `sentence` (separated by spaces) {test}."
+            body = f"sum(1 for word in sentence.split() if {condition})"
+            wrong = f"sum(1 for word in sentence.split() if not {condition})"
+        else:
+            description = f"returns {words}{mapped}, joined by {separator!r}."
+            body = f"{separator!r}.join({expression} for word in sentence.split() if {condition})"
+            wrong = f"{separator!r}.join({expression} for word in sentence.split())"
+        inputs = [(f"{c}ab b{c} cd",), *((_sentence(rng),) for _ in range(4))]
+        spec = _composed(name, "sentence", description, body, wrong, inputs)
+        if spec is not None:
+            return spec
+
+
+def text_transform(rng: random.Random) -> Spec:
+    """One change to the string `text`, or one question about it."""
+    while True:
+        k, c, extra = rng.randint(2, 4), rng.choice("abcdefgh"), rng.choice(("!", "?", "s", "ing", "ed", "..."))
+        transforms = [
+            ("shout", "in upper case", "text.upper()", "text.lower()"),
+            ("mirror", "reversed", "text[::-1]", "text"),
+            ("stretch", f"with each character repeated {k} times", f"''.join(ch * {k} for ch in text)", f"text * {k}"),
+            ("add_suffix", f"with {extra!r} added at the end", f"text + {extra!r}", f"{extra!r} + text"),
+            ("add_prefix", f"with {extra!r} added at the start", f"{extra!r} + text", f"text + {extra!r}"),
+            ("capitalize_first", "with its first letter in upper case", "text[:1].upper() + text[1:]", "text.upper()"),
+            ("even_positions", "with only the characters at even indices (0, 2, ...)", "text[::2]", "text[1::2]"),
+            ("drop_start", f"without its first {k} characters", f"text[{k}:]", f"text[:{k}]"),
+            (
+                "remove_letter",
+                f"with every {c!r} removed",
+                f"''.join(ch for ch in text if ch != {c!r})",
+                f"text.replace({c!r}, '', 1)",
+            ),
+        ]
+        questions = [
+            (
+                "starts_with",
+                f"True if `text` starts with {c!r}, and False otherwise",
+                f"text.startswith({c!r})",
+                f"{c!r} in text",
+            ),
+            (
+                "is_palindrome",
+                "True if `text` reads the same backwards, and False otherwise",
+                "text == text[::-1]",
+                "len(text) % 2 == 1",
+            ),
+            (
+                "find_letter",
+                f"the index of the first {c!r} in `text`, or -1 if there is none",
+                f"text.find({c!r})",
+                f"text.rfind({c!r})",
+            ),
+            ("scaled_length", f"the length of `text` times {k}", f"len(text) * {k}", f"len(text) + {k}"),
+        ]
+        if rng.random() < 0.6:
+            name, words, body, wrong = rng.choice(transforms)
+            description = (
+                f"returns a copy of `text` {words}." if words.startswith("with") else f"returns `text` {words}."
+            )
+        else:
+            name, words, body, wrong = rng.choice(questions)
+            description = f"returns {words}."
+        inputs = [(f"{c}x{c}y{c}",), ("aba",), *((_word(rng, "abcdefgh"),) for _ in range(3))]
+        spec = _composed(name, "text", description, body, wrong, inputs)
+        if spec is not None:
+            return spec
 
 
 # Validation templates.
@@ -364,6 +545,7 @@ TEMPLATE_SPLITS: dict[str, tuple[CodeTemplate, ...]] = {
     "train": (
         add_to_each, count_above, join_repeated, sum_divisible, clamp,
         last_chars, scale_each, count_letter, first_index_above, every_kth,
+        number_query, word_query, text_transform,
     ),
     "validation": (replace_letter, count_long_words, running_total, pad_left, product_below),
     "test": (keep_between, count_from_set, digit_sum_times, reverse_words, count_multiples, weighted_sums),
@@ -378,10 +560,10 @@ def write_check(cases: Sequence[Case]) -> str:
 
 def code_problem(template: CodeTemplate, split: str, rng: random.Random) -> CodeProblem:
     spec = template(rng)
-    name = template.__name__
+    name = spec.name or template.__name__
     header = f"def {name}({spec.arguments}):\n    "
     return CodeProblem(
-        name,
+        template.__name__,
         split,
         name,
         spec.arguments,

@@ -10,9 +10,10 @@ gradients clipped at norm 1, the forward pass under bfloat16 autocast with float
 (`autocast: null` trains in float32).
 
 `train_expert` keeps each trained expert in `CACHE/experts/<skill>-<kind>-<hash>`, the hash of the
-recipe and of the base's files (names, sizes, modification times): a rerun with the same recipe
-and base finds it again, a changed recipe or base trains anew. The folder is written atomically
-with a manifest (checked on reuse) and `training.json` (the recipe, the losses, the seconds).
+recipe, of the base's files (names, sizes, modification times) and of the training problems: a rerun
+with the same recipe, base and data finds it again; a changed recipe, base or data generator trains
+anew. The folder is written atomically with a manifest (checked on reuse) and `training.json` (the
+recipe, the losses, the seconds).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Literal
 
 import torch
 from peft import LoraConfig, get_peft_model
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.core.io import atomic_output_dir, atomic_write_text, manifest_problem, write_manifest
@@ -36,7 +37,7 @@ from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.lm_eval.systems import source_identity
 from mergecompose.experiments.math_code.chat_data import end_of_turn_id, generation_inputs, training_batch
 from mergecompose.experiments.math_code.code_problems import code_split
-from mergecompose.experiments.math_code.math_problems import math_split
+from mergecompose.experiments.math_code.math_problems import expanded_arithmetic, math_split
 from mergecompose.experiments.math_code.scoring import score_code, score_math
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -64,15 +65,27 @@ class ExpertRecipe(BaseModel):
     # The answers trained on: the problems' reference solutions, or the base's own answers that are right
     # (`samples` drawn per problem at `temperature`, kept when their lenient score passes: rejection sampling).
     answers: Literal["reference", "sampled"] = "reference"
+    # Math references as written ("direct"), or with each two-number step worked out by place value
+    # ("expanded": `math_problems.expanded_arithmetic`).
+    arithmetic: Literal["direct", "expanded"] = "direct"
     samples: int = Field(4, ge=1)
     temperature: float = Field(0.7, gt=0)
     max_new_tokens: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _arithmetic_is_for_math(self) -> ExpertRecipe:
+        if self.arithmetic != "direct" and self.skill != "math":
+            raise ValueError(f"`arithmetic` must be 'direct' for a {self.skill} expert, got {self.arithmetic!r}")
+        return self
 
 
 def training_pairs(recipe: ExpertRecipe) -> list[tuple[str, str]]:
     """The recipe's (prompt, reference answer) conversations: `examples` distinct train-split problems of its skill."""
     if recipe.skill == "math":
-        return [(problem.prompt, problem.solution) for problem in math_split("train", recipe.examples, recipe.seed)]
+        worked = expanded_arithmetic if recipe.arithmetic == "expanded" else str
+        return [
+            (problem.prompt, worked(problem.solution)) for problem in math_split("train", recipe.examples, recipe.seed)
+        ]
     return [(problem.prompt, problem.answer) for problem in code_split("train", recipe.examples, recipe.seed)]
 
 
@@ -120,8 +133,13 @@ def sampled_pairs(model, tokenizer, recipe: ExpertRecipe, batch_size: int = 32) 
 
 
 def expert_folder(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike) -> Path:
-    """Where `train_expert` keeps the expert of `recipe` on `base` (nothing is trained)."""
-    key = fingerprint({"recipe": recipe.model_dump(mode="json"), "base": source_identity(str(base))})
+    """Where `train_expert` keeps the expert of `recipe` on `base` (nothing is trained).
+
+    The key holds the recipe, the base's files and the training problems themselves, so a change to a
+    data generator trains anew instead of reusing an expert trained on other problems.
+    """
+    problems = fingerprint([list(pair) for pair in training_pairs(recipe)])
+    key = fingerprint({"recipe": recipe.model_dump(mode="json"), "base": source_identity(str(base)), "data": problems})
     return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
 
 

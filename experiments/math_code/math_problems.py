@@ -15,6 +15,7 @@ each answer from them). Problems are deterministic in `(split, count, seed)`.
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -224,6 +225,179 @@ def marbles(rng: random.Random, name: str) -> Story:
     return question, steps, a - b * c + d
 
 
+# Procedural train stories: each draws a story of 2-4 steps from pools of settings and phrases, so the
+# train split holds far more than a handful of story shapes (the fixed templates above are 12). Only the
+# train split has them; the numbers keep the module's ranges.
+
+THINGS = (
+    "stickers", "marbles", "stamps", "shells", "coins", "cards", "beads", "buttons", "balloons", "books",
+    "candles", "eggs", "cupcakes", "bottles", "ribbons", "toy cars", "pebbles", "postcards", "pencils", "seeds",
+)  # fmt: skip
+CONTAINERS = ("bags", "boxes", "packs", "jars", "crates", "baskets", "tins", "cartons")
+GAINS = ("buys", "finds", "gets", "collects", "is given", "wins")
+LOSSES = ("gives away", "loses", "sells", "uses", "donates")
+FRIENDS = ("friends", "classmates", "cousins", "neighbours", "teammates")
+
+
+def _divisor(rng: random.Random, total: int) -> int | None:
+    """A divisor of `total` in 2..9 (so the share comes out exact), or None if it has none."""
+    divisors = [k for k in range(2, 10) if total % k == 0]
+    return rng.choice(divisors) if divisors else None
+
+
+def collection(rng: random.Random, name: str) -> Story:
+    """a, then 2-3 changes (+ n, - n, + b * c, - b * c, * k, / 2), maybe shared equally at the end."""
+    thing = rng.choice(THINGS)
+    total = rng.randint(5, 60)
+    sentences = [rng.choice((f"{name} has {total} {thing}.", f"{name} starts with {total} {thing}."))]
+    steps: list[str] = []
+    changes = rng.randint(2, 3)
+    while len(sentences) <= changes:  # a move that does not fit the running total is drawn again
+        move = rng.choice(("gain", "loss", "gain_groups", "loss_groups", "times", "half"))
+        if move == "gain":
+            n = rng.randint(1, 60)
+            sentences.append(f"Then {name} {rng.choice(GAINS)} {n} more {thing}.")
+            steps.append(f"After getting {n} more: {total} + {n} = {total + n} {thing}.")
+            total += n
+        elif move == "loss" and total > 1:
+            n = rng.randint(1, total - 1)
+            sentences.append(f"Then {name} {rng.choice(LOSSES)} {n} {thing}.")
+            steps.append(f"After that {total} - {n} = {total - n} {thing} are left.")
+            total -= n
+        elif move == "gain_groups":
+            b, c = rng.randint(2, 9), rng.randint(2, 12)
+            container = rng.choice(CONTAINERS)
+            sentences.append(f"{name} {rng.choice(GAINS)} {b} {container} with {c} {thing} in each.")
+            steps += [
+                f"The {container} hold {b} * {c} = {b * c} {thing}.",
+                f"{total} + {b * c} = {total + b * c} {thing}.",
+            ]
+            total += b * c
+        elif move == "loss_groups" and total >= 4:
+            c = rng.randint(1, max(1, total // 4))
+            b = rng.randint(2, max(2, min(6, total // c)))
+            if b * c < total:
+                sentences.append(f"{name} {rng.choice(LOSSES)} {b} groups of {c} {thing}.")
+                steps += [
+                    f"That is {b} * {c} = {b * c} {thing}.",
+                    f"{total} - {b * c} = {total - b * c} {thing} are left.",
+                ]
+                total -= b * c
+        elif move == "times" and total <= 300:
+            k = rng.randint(2, min(5, 999 // total))
+            sentences.append(f"Then the number of {thing} becomes {k} times as large.")
+            steps.append(f"{k} times as many: {total} * {k} = {total * k} {thing}.")
+            total *= k
+        elif move == "half" and total % 2 == 0:
+            sentences.append(f"{name} gives half of the {thing} to a sister.")
+            steps.append(f"Half of them is {total} / 2 = {total // 2}, so {total // 2} {thing} are left.")
+            total //= 2
+    k = _divisor(rng, total) if rng.random() < 0.4 else None
+    if k is not None:
+        friends = rng.choice(FRIENDS)
+        sentences.append(f"{name} shares all the {thing} equally among {k} {friends}. How many {thing} does each get?")
+        steps.append(f"Each of the {k} {friends} gets {total} / {k} = {total // k} {thing}.")
+        total //= k
+    else:
+        sentences.append(rng.choice((f"How many {thing} does {name} have now?", f"How many {thing} are there now?")))
+    return " ".join(sentences), steps, total
+
+
+RATES = (  # (what runs at a rate, the rate's unit per time unit, the total's unit, the time unit)
+    ("A cyclist rides {r} km an hour", "km", "hours"),
+    ("A tap pours {r} liters a minute", "liters", "minutes"),
+    ("{name} earns {r} dollars an hour", "dollars", "hours"),
+    ("A printer prints {r} pages a minute", "pages", "minutes"),
+    ("A machine makes {r} toys an hour", "toys", "hours"),
+    ("{name} walks {r} km a day", "km", "days"),
+    ("A bakery sells {r} loaves a day", "loaves", "days"),
+    ("{name} reads {r} pages an hour", "pages", "hours"),
+)
+
+
+def rates(rng: random.Random, name: str) -> Story:
+    """r * t, then a second stretch (+ r2 * t2) or a part taken off (- n), maybe split equally (/ k)."""
+    pattern, unit, time_unit = rng.choice(RATES)
+    r, t = rng.randint(2, 40), rng.randint(2, 9)
+    sentences = [f"{pattern.format(r=r, name=name)} for {t} {time_unit}."]
+    steps = [f"That makes {r} * {t} = {r * t} {unit}."]
+    total = r * t
+    if rng.random() < 0.5:
+        r2, t2 = rng.randint(2, 40), rng.randint(2, 6)
+        sentences.append(f"Then the rate changes to {r2} {unit} for {t2} more {time_unit}.")
+        steps += [
+            f"The second part is {r2} * {t2} = {r2 * t2} {unit}.",
+            f"In all {total} + {r2 * t2} = {total + r2 * t2} {unit}.",
+        ]
+        total += r2 * t2
+    elif total > 2:
+        n = rng.randint(1, total - 1)
+        sentences.append(f"Of these, {n} {unit} are not counted.")
+        steps.append(f"Without them: {total} - {n} = {total - n} {unit}.")
+        total -= n
+    k = _divisor(rng, total) if rng.random() < 0.4 else None
+    if k is not None:
+        sentences.append(f"The {unit} are split equally into {k} parts. How many {unit} are in each part?")
+        steps.append(f"Each part has {total} / {k} = {total // k} {unit}.")
+        total //= k
+    else:
+        sentences.append(f"How many {unit} is that in total?")
+    return " ".join(sentences), steps, total
+
+
+GOODS = ("apples", "notebooks", "pens", "cups", "plates", "towels", "socks", "candles", "bowls", "kites")
+
+
+def shopping(rng: random.Random, name: str) -> Story:
+    """q1 * p1 (+ q2 * p2), paid from what one has (money - cost) or asked for (the cost)."""
+    first, second = rng.sample(GOODS, 2)
+    q1, p1 = rng.randint(2, 9), rng.randint(2, 25)
+    sentences = [f"{name} buys {q1} {first} at {p1} dollars each"]
+    steps = [f"The {first} cost {q1} * {p1} = {q1 * p1} dollars."]
+    cost = q1 * p1
+    if rng.random() < 0.6:
+        q2, p2 = rng.randint(2, 9), rng.randint(2, 25)
+        sentences[0] += f" and {q2} {second} at {p2} dollars each."
+        steps += [
+            f"The {second} cost {q2} * {p2} = {q2 * p2} dollars.",
+            f"Together {cost} + {q2 * p2} = {cost + q2 * p2} dollars.",
+        ]
+        cost += q2 * p2
+    else:
+        sentences[0] += "."
+    if len(steps) == 1 or rng.random() < 0.6:  # at least two steps
+        money = cost + rng.randint(0, 100)
+        sentences.insert(0, f"{name} has {money} dollars.")
+        sentences.append("How many dollars are left?")
+        steps.append(f"{name} has {money} - {cost} = {money - cost} dollars left.")
+        return " ".join(sentences), steps, money - cost
+    sentences.append("How many dollars does that cost in all?")
+    return " ".join(sentences), steps, cost
+
+
+def comparison(rng: random.Random, name: str) -> Story:
+    """a, k times a, then n more or fewer: one of them, or the three together."""
+    thing = rng.choice(THINGS)
+    other, third = rng.sample([n for n in NAMES if n != name], 2)
+    a, k = rng.randint(2, 40), rng.randint(2, 5)
+    b = a * k
+    n = rng.randint(1, b - 1)
+    more = rng.random() < 0.5
+    c = b + n if more else b - n
+    sentences = [
+        f"{name} has {a} {thing}.",
+        f"{other} has {k} times as many {thing} as {name}.",
+        f"{third} has {n} {'more' if more else 'fewer'} {thing} than {other}.",
+    ]
+    steps = [f"{other} has {a} * {k} = {b} {thing}.", f"{third} has {b} {'+' if more else '-'} {n} = {c} {thing}."]
+    if rng.random() < 0.5:
+        sentences.append(f"How many {thing} do the three have together?")
+        steps.append(f"Together {a} + {b} + {c} = {a + b + c} {thing}.")
+        return " ".join(sentences), steps, a + b + c
+    sentences.append(f"How many {thing} does {third} have?")
+    return " ".join(sentences), steps, c
+
+
 # Validation templates.
 
 
@@ -421,11 +595,42 @@ def pool(rng: random.Random, name: str) -> Story:
     return question, steps, r
 
 
+STEP = re.compile(r"(?<![\d*/+-] )\b(\d+) ([-+*/]) (\d+) = (\d+)\b(?! [-+*/])")  # "a op b = c", not in a longer sum
+
+
+def expanded_arithmetic(solution: str) -> str:
+    """`solution` with each two-number step worked out by place value, the way a small model can follow it.
+
+    "21 * 3 = 63" becomes "21 * 3 = 20 * 3 + 1 * 3 = 60 + 3 = 63"; "47 + 35 = 82" becomes
+    "47 + 35 = 47 + 30 + 5 = 77 + 5 = 82"; "82 - 35 = 47" becomes "82 - 35 = 82 - 30 - 5 = 52 - 5 = 47".
+    A step with a one-digit second number (or first, for products), a division, or a longer sum is kept.
+    """
+
+    def expand(match: re.Match[str]) -> str:
+        a, operator, b, c = int(match[1]), match[2], int(match[3]), int(match[4])
+        tens, ones = b - b % 10, b % 10
+        if operator == "*":
+            big, small = (a, b) if a >= b else (b, a)
+            if big < 10:
+                return match[0]
+            tens, ones = big - big % 10, big % 10
+            if ones == 0:
+                return match[0]
+            return f"{a} * {b} = {tens} * {small} + {ones} * {small} = {tens * small} + {ones * small} = {c}"
+        if operator in "+-" and b >= 10 and ones:
+            middle = a + tens if operator == "+" else a - tens
+            return f"{a} {operator} {b} = {a} {operator} {tens} {operator} {ones} = {middle} {operator} {ones} = {c}"
+        return match[0]
+
+    return STEP.sub(expand, solution)
+
+
 Template = Callable[[random.Random, str], Story]
 TEMPLATE_SPLITS: dict[str, tuple[Template, ...]] = {
     "train": (
         apples, cookies, train_trip, notebooks, reading, pencil_boxes,
         ages, garden, savings_jars, water_tank, piano, marbles,
+        collection, rates, shopping, comparison,
     ),
     "validation": (tickets, cake_slices, fuel, school_teams, stamps, muffins),
     "test": (farm_legs, profit, empty_seats, pizza_bill, crayons, pool),

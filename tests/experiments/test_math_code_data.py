@@ -30,7 +30,7 @@ from mergecompose.experiments.math_code import (
 )
 from mergecompose.experiments.math_code import code_problems as code_module
 from mergecompose.experiments.math_code import math_problems as math_module
-from mergecompose.experiments.math_code.math_problems import NAMES
+from mergecompose.experiments.math_code.math_problems import NAMES, expanded_arithmetic
 from mergecompose.integrations.gguf.fetch import fetch_model
 
 # Each math template's answer from the numbers of its question, in the order they appear there,
@@ -110,14 +110,27 @@ def test_templates_are_disjoint_across_splits(splits):
     assert len(math_module.TEMPLATE_SPLITS["train"]) >= 10 and len(code_module.TEMPLATE_SPLITS["train"]) >= 10
 
 
+PROCEDURAL = {"collection", "rates", "shopping", "comparison"}  # train only: stories of varying shape
+STEP = re.compile(r"(\d+(?: [-+*/] \d+)+) = (\d+)")  # "a + b + c = d" in a worked step
+
+
 def test_every_answer_line_equals_the_answer_recomputed_from_the_question(splits):
     templates = {template.__name__ for split in SPLITS for template in math_module.TEMPLATE_SPLITS[split]}
-    assert set(RECOMPUTE) == templates
+    assert set(RECOMPUTE) | PROCEDURAL == templates and not set(RECOMPUTE) & PROCEDURAL
     problems = [problem for split in SPLITS for problem in splits["math"][split]]
     problems += [problem.math for split in SPLITS for problem in splits["mixed"][split]]
+    assert {problem.template for problem in problems if problem.split != "train"}.isdisjoint(PROCEDURAL)
     for problem in problems:
         numbers = [int(number) for number in re.findall(r"\d+", problem.question)]
-        expected = RECOMPUTE[problem.template](*numbers)
+        if problem.template in PROCEDURAL:
+            # No fixed formula: every step's arithmetic is checked, and the last step's result is the answer.
+            steps = STEP.findall(problem.solution)
+            assert steps, problem.solution
+            for expression, result in steps:
+                assert Fraction(eval(expression)) == int(result), problem.solution  # noqa: S307 (digits and + - * /)
+            expected = int(steps[-1][1])
+        else:
+            expected = RECOMPUTE[problem.template](*numbers)
         assert expected == int(expected) and 0 <= expected <= 999, problem.question  # exact, small, not negative
         last_line = problem.solution.splitlines()[-1]
         assert ANSWER_LINE.fullmatch(last_line), last_line
@@ -127,6 +140,32 @@ def test_every_answer_line_equals_the_answer_recomputed_from_the_question(splits
     # All four operations are asked for somewhere.
     solutions = "\n".join(problem.solution for problem in problems)
     assert all(f" {operator} " in solutions for operator in "+-*/")
+
+
+def test_expanded_arithmetic_works_each_two_number_step_out_by_place_value(splits):
+    assert expanded_arithmetic("It has 21 * 3 = 63 legs.") == "It has 21 * 3 = 20 * 3 + 1 * 3 = 60 + 3 = 63 legs."
+    assert expanded_arithmetic("47 + 35 = 82") == "47 + 35 = 47 + 30 + 5 = 77 + 5 = 82"
+    assert expanded_arithmetic("82 - 35 = 47.") == "82 - 35 = 82 - 30 - 5 = 52 - 5 = 47."
+    kept = "3 * 4 = 12, 40 * 2 = 80, 50 + 30 = 80, 9 - 4 = 5, 144 / 8 = 18, 1 + 2 + 30 = 33"
+    assert expanded_arithmetic(kept) == kept  # one-digit or round numbers, a division, a longer sum
+    for problem in splits["math"]["train"]:
+        expanded = expanded_arithmetic(problem.solution)
+        assert expanded.splitlines()[-1] == problem.solution.splitlines()[-1]  # the answer line is kept
+        for chain in re.findall(r"\d+(?: [-+*/] \d+)+(?: = \d+(?: [-+*/] \d+)*)+", expanded):
+            values = {Fraction(eval(part)) for part in chain.split(" = ")}  # noqa: S307 (digits and + - * /)
+            assert len(values) == 1, chain  # every form of a step has the same value
+
+
+def test_procedural_code_templates_ask_for_other_functions_than_the_held_out_ones():
+    """The train split's composed requests (a filter, a map, an aggregate ...) never name a held-out function."""
+    train = code_split("train", 1500)
+    procedural = [problem for problem in train if problem.template in ("number_query", "word_query", "text_transform")]
+    assert len(procedural) > 1000 and len({problem.function_name for problem in procedural}) > 100
+    held_out = {t.__name__ for split in ("validation", "test") for t in code_module.TEMPLATE_SPLITS[split]}
+    assert not {problem.function_name for problem in train} & held_out
+    for problem in procedural:
+        assert problem.reference_solution.startswith(f"def {problem.function_name}(")
+        assert problem.reference_solution != problem.wrong_solution
 
 
 def test_generators_are_deterministic_in_their_seed():

@@ -18,6 +18,7 @@ from mergecompose.analysis.predict import UNDECIDED, VERDICTS
 from mergecompose.core.sandbox import sandbox_available
 from mergecompose.experiments.config import load_config
 from mergecompose.experiments.math_code import code_split, score_code
+from mergecompose.experiments.math_code import experts as experts_module
 from mergecompose.experiments.math_code.experts import ExpertRecipe, expert_folder, sampled_pairs
 from mergecompose.experiments.math_code.lm_eval_tasks import study_records
 from mergecompose.experiments.math_code.study import SPLITS, MathCodeStudyConfig, run_math_code_study
@@ -190,3 +191,15 @@ def test_sampled_answers_keep_only_the_bases_right_answers(smollm2_dir):
     assert counts["drawn"] == 8 and 1 <= counts["kept"] == len(pairs) <= counts["right"] <= 8
     scores = score_code([answer for _, answer in pairs], [problems[prompt] for prompt, _ in pairs])
     assert all(score.lenient for score in scores)
+
+
+def test_an_expert_is_kept_by_its_training_data_too(tmp_path, monkeypatch):
+    """A changed data generator trains anew: the cache key holds the training problems, not only the recipe."""
+    recipe = ExpertRecipe(skill="math", examples=3, steps=1)
+    folder = expert_folder(tmp_path, recipe, tmp_path / "cache")
+    assert expert_folder(tmp_path, recipe, tmp_path / "cache") == folder
+    assert expert_folder(tmp_path, recipe.model_copy(update={"arithmetic": "expanded"}), tmp_path / "cache") != folder
+    monkeypatch.setattr(experts_module, "training_pairs", lambda recipe: [("Another problem?", "The answer is 1.")])
+    assert expert_folder(tmp_path, recipe, tmp_path / "cache") != folder
+    with pytest.raises(ValueError, match=r"`arithmetic` must be 'direct' for a code expert, got 'expanded'"):
+        ExpertRecipe(skill="code", arithmetic="expanded")
