@@ -32,7 +32,12 @@ from mergecompose.experiments.math_code.code_problems import CodeProblem, code_s
 from mergecompose.experiments.math_code.math_problems import MathProblem, math_split
 from mergecompose.experiments.math_code.mixed import MixedProblem, mixed_split
 from mergecompose.experiments.math_code.scoring import score_code, score_math, score_mixed
-from mergecompose.integrations.lm_eval.humaneval import write_hooked_task, write_humaneval_tasks
+from mergecompose.integrations.lm_eval.humaneval import (
+    COMPLETION_MAX_GEN_TOKS,
+    INSTRUCT_MAX_GEN_TOKS,
+    write_hooked_task,
+    write_humaneval_tasks,
+)
 
 METRICS = ("strict", "lenient")
 HOOKS_MODULE = "math_code_hooks"  # the file beside the YAMLs that lm-eval's `!function` loads
@@ -108,8 +113,9 @@ def write_study_tasks(
     """Write the study's tasks into the folder `out` (see the module docstring); their names.
 
     `sizes` and `max_gen_toks` have the keys math, code, mixed and validation (the validation task's cap is
-    the larger of math's and code's when not given). Refused before anything is written without
-    `allow_code_execution=True` or where the sandbox does not run.
+    the larger of math's and code's when not given); `max_gen_toks` may also cap `humaneval_instruct` and
+    `humaneval_completion` (by default `humaneval.INSTRUCT_MAX_GEN_TOKS` and `COMPLETION_MAX_GEN_TOKS`).
+    Refused before anything is written without `allow_code_execution=True` or where the sandbox does not run.
     """
     if allow_code_execution is not True:
         raise ValueError(
@@ -159,5 +165,11 @@ def write_study_tasks(
         write_hooked_task(folder / f"{name}.yaml", task, f"{HOOKS_MODULE}.process_results")
         names.append(name)
     if humaneval:
-        names += write_humaneval_tasks(folder, tokenizer, allow_code_execution=True)
+        names += write_humaneval_tasks(
+            folder,
+            tokenizer,
+            allow_code_execution=True,
+            instruct_max_gen_toks=int(max_gen_toks.get("humaneval_instruct", INSTRUCT_MAX_GEN_TOKS)),
+            completion_max_gen_toks=int(max_gen_toks.get("humaneval_completion", COMPLETION_MAX_GEN_TOKS)),
+        )
     return names

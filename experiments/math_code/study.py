@@ -125,7 +125,8 @@ class StudySplits(_Strict):
     limit: int | None = Field(None, ge=1)
     seed: int = Field(0, ge=0)
     gen_kwargs: dict[str, str | int | float | bool] | None = None  # lm-eval's overrides of every task's settings
-    max_gen_toks: dict[Literal["math", "code", "mixed"], int] = Field(
+    # math, code and mixed; humaneval_instruct and humaneval_completion are optional (512 and 384 by default)
+    max_gen_toks: dict[Literal["math", "code", "mixed", "humaneval_instruct", "humaneval_completion"], int] = Field(
         default_factory=lambda: {"math": 256, "code": 256, "mixed": 512}
     )
 
@@ -134,7 +135,7 @@ class StudySplits(_Strict):
     def _caps(cls, value):
         missing = sorted({"math", "code", "mixed"} - set(value))
         if missing or any(cap < 1 for cap in value.values()):
-            raise ValueError(f"`max_gen_toks` must give math, code and mixed caps >= 1, got {value}")
+            raise ValueError(f"`max_gen_toks` must give math, code and mixed caps, all >= 1, got {value}")
         return value
 
 

@@ -240,11 +240,25 @@ def process_completion(doc: Mapping[str, str], results: Sequence[str]) -> dict[s
     return score_sample(doc, _only_answer(results), "completion")
 
 
-def write_humaneval_tasks(out: str | Path, tokenizer: Any, *, allow_code_execution: bool) -> list[str]:
+def write_humaneval_tasks(
+    out: str | Path,
+    tokenizer: Any,
+    *,
+    allow_code_execution: bool,
+    instruct_max_gen_toks: int = INSTRUCT_MAX_GEN_TOKS,
+    completion_max_gen_toks: int = COMPLETION_MAX_GEN_TOKS,
+) -> list[str]:
     """Write `humaneval_sandbox_instruct` and `humaneval_sandbox_completion` into the folder `out` (lm-eval's
     `include_path`): `humaneval.jsonl` (the problems, each with its instruct prompt rendered by `tokenizer`), one
-    YAML per task and `humaneval_hooks.py`. Refused, before anything is read or written, without
-    `allow_code_execution=True` or where the sandbox does not run. Returns the task names."""
+    YAML per task and `humaneval_hooks.py`, each task capped at its `*_max_gen_toks` new tokens. Refused, before
+    anything is read or written, without `allow_code_execution=True`, with a cap that is not an integer >= 1,
+    or where the sandbox does not run. Returns the task names."""
+    for name, cap in (
+        ("instruct_max_gen_toks", instruct_max_gen_toks),
+        ("completion_max_gen_toks", completion_max_gen_toks),
+    ):
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+            raise ValueError(f"`{name}` must be an integer >= 1, got {cap!r}")
     if allow_code_execution is not True:
         raise ValueError(
             "`allow_code_execution` must be True to write the HumanEval tasks (they execute model-written code, "
@@ -277,12 +291,12 @@ def write_humaneval_tasks(out: str | Path, tokenizer: Any, *, allow_code_executi
         "humaneval_sandbox_instruct": (
             "instruct_prompt",
             "process_instruct",
-            {"until": [end_of_turn], "max_gen_toks": INSTRUCT_MAX_GEN_TOKS},
+            {"until": [end_of_turn], "max_gen_toks": instruct_max_gen_toks},
         ),
         "humaneval_sandbox_completion": (
             "prompt",
             "process_completion",
-            {"until": list(COMPLETION_STOP), "max_gen_toks": COMPLETION_MAX_GEN_TOKS},
+            {"until": list(COMPLETION_STOP), "max_gen_toks": completion_max_gen_toks},
         ),
     }
     for name, (text_field, hook, generation) in settings.items():

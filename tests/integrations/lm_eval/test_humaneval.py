@@ -7,6 +7,7 @@ import gzip
 import importlib.resources
 import json
 import os
+import re
 from pathlib import Path
 
 import lm_eval
@@ -137,6 +138,21 @@ def test_canonical_solutions_pass_and_broken_ones_fail():
 
 def _dedent(body: str) -> str:
     return "".join(line[4:] if line.startswith("    ") else line for line in body.splitlines(keepends=True))
+
+
+def test_token_caps_are_written_into_the_tasks_and_checked(smollm, tmp_path):
+    names = write_humaneval_tasks(
+        tmp_path / "tasks", smollm[1], allow_code_execution=True, instruct_max_gen_toks=200, completion_max_gen_toks=7
+    )
+    texts = {name: (tmp_path / "tasks" / f"{name}.yaml").read_text() for name in names}
+    assert {name: re.findall(r"max_gen_toks: (\d+)", text) for name, text in texts.items()} == {
+        "humaneval_sandbox_instruct": ["200"],
+        "humaneval_sandbox_completion": ["7"],
+    }
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=rf"`completion_max_gen_toks` must be an integer >= 1, got {bad!r}"):
+            write_humaneval_tasks(tmp_path / "other", smollm[1], allow_code_execution=True, completion_max_gen_toks=bad)
+    assert not (tmp_path / "other").exists()
 
 
 def test_code_execution_is_opt_in(smollm, tmp_path):
