@@ -79,6 +79,7 @@ from mergecompose.experiments.systems import expert_name, merge_name
 from mergecompose.integrations.gguf.fetch import MODELS, cache_root, fetch_model, model_cache_dir
 
 SELECTION_TASK = "mc_validation"
+HUMANEVAL_PREFIX = "humaneval_sandbox_"  # + a protocol of `StudySplits.humaneval_protocols`
 SELECTION_METRIC = "lenient"
 STUDY_FOLDER = FolderLayout(
     "a math_code study folder",
@@ -122,6 +123,10 @@ class StudySplits(_Strict):
     mixed: int = Field(150, ge=0)  # 0: no mixed split
     validation: int = Field(50, ge=2)  # where merge grids are chosen: half math, half code
     humaneval: bool = True
+    # which HumanEval protocols run (with `humaneval`): the instruct one, lm-eval's completion one, or both
+    humaneval_protocols: list[Literal["instruct", "completion"]] = Field(
+        default_factory=lambda: ["instruct", "completion"], min_length=1
+    )
     limit: int | None = Field(None, ge=1)
     seed: int = Field(0, ge=0)
     gen_kwargs: dict[str, str | int | float | bool] | None = None  # lm-eval's overrides of every task's settings
@@ -137,6 +142,23 @@ class StudySplits(_Strict):
         if missing or any(cap < 1 for cap in value.values()):
             raise ValueError(f"`max_gen_toks` must give math, code and mixed caps, all >= 1, got {value}")
         return value
+
+    @field_validator("humaneval_protocols")
+    @classmethod
+    def _protocols(cls, value):
+        if len(set(value)) != len(value):
+            raise ValueError(f"`humaneval_protocols` must name each protocol once, got {value}")
+        return value
+
+    def task_names(self, written: list[str]) -> list[str]:
+        """The tasks of `written` that the evaluation runs: all but the selection task and the HumanEval protocols
+        left out of `humaneval_protocols`."""
+        protocols = {f"{HUMANEVAL_PREFIX}{protocol}" for protocol in self.humaneval_protocols}
+        return [
+            name
+            for name in written
+            if name != SELECTION_TASK and (not name.startswith(HUMANEVAL_PREFIX) or name in protocols)
+        ]
 
 
 class DiagnosticsSettings(_Strict):
@@ -317,7 +339,7 @@ def _write_tasks(config: MathCodeStudyConfig, folder: str | os.PathLike, tokeniz
         allow_code_execution=config.allow_code_execution,
         seed=splits.seed,
     )
-    return [name for name in names if name != SELECTION_TASK]
+    return splits.task_names(names)
 
 
 # ---------------------------------------------------------------------------------------------- the run

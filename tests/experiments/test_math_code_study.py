@@ -21,7 +21,8 @@ from mergecompose.experiments.math_code import code_split, score_code
 from mergecompose.experiments.math_code import experts as experts_module
 from mergecompose.experiments.math_code.experts import ExpertRecipe, expert_folder, sampled_pairs
 from mergecompose.experiments.math_code.lm_eval_tasks import study_records
-from mergecompose.experiments.math_code.study import SPLITS, MathCodeStudyConfig, run_math_code_study
+from mergecompose.experiments.math_code.study import SPLITS, MathCodeStudyConfig, StudySplits, run_math_code_study
+from mergecompose.integrations.lm_eval.humaneval import TASK_NAMES as HUMANEVAL_TASKS
 
 pytestmark = pytest.mark.skipif(sandbox_available() is not None, reason=f"no code sandbox: {sandbox_available()}")
 
@@ -175,6 +176,17 @@ def test_the_shipped_configs_load(smollm2_dir):
     full = load_config("configs/smollm2_math_code_full.yaml")
     assert {recipe.kind for recipe in full.experts.values()} == {"full"}
     assert full.splits.mixed == 0 and not full.splits.humaneval
+
+
+def test_humaneval_protocols_choose_which_humaneval_tasks_run():
+    written = ["mc_math", "mc_code", "mc_mixed", "mc_validation", *HUMANEVAL_TASKS]
+    assert StudySplits().task_names(written) == ["mc_math", "mc_code", "mc_mixed", *HUMANEVAL_TASKS]
+    instruct = StudySplits(humaneval_protocols=["instruct"]).task_names(written)
+    assert instruct == ["mc_math", "mc_code", "mc_mixed", "humaneval_sandbox_instruct"]
+    assert StudySplits(humaneval_protocols=["completion"]).task_names(written)[-1] == "humaneval_sandbox_completion"
+    for bad in ([], ["instruct", "instruct"], ["plus"]):
+        with pytest.raises(ValueError, match="humaneval_protocols"):
+            StudySplits(humaneval_protocols=bad)
 
 
 def test_sampled_answers_keep_only_the_bases_right_answers(smollm2_dir):
