@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-# One cache per model the backend runs.
+# One cache per model the backend runs (`GrowingCache`s, kv_cache.py).
 Caches = list[DynamicCache]
 
 
@@ -41,8 +41,8 @@ class Backend(Protocol):
         """True if every component is one pass of the same base, so that a draft can only add work at batch 1."""
         ...
 
-    def new_cache(self) -> Caches:
-        """Empty KV caches, one per model in `models`."""
+    def new_cache(self, length: int | None = None) -> Caches:
+        """Empty KV caches, one per model in `models`; `length`: the columns they will hold, if known."""
         ...
 
     def forward(

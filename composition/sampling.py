@@ -95,7 +95,7 @@ def sample(backend: Backend, compose: Compose, prompt: Prompt, stopping: Stoppin
     unfinished = torch.ones(batch, dtype=torch.bool, device=device)
     invalid = torch.zeros((), dtype=torch.bool, device=device)
 
-    cache = backend.new_cache()
+    cache = backend.new_cache(total)
     logits = backend.forward(input_ids, prompt.attention_mask, prompt.position_ids, cache, logits_to_keep=1)
     length = prompt_length
     for _ in range(prompt.max_new_tokens):

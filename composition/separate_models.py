@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from mergecompose.composition.architecture import cache_kwarg
 from mergecompose.composition.backend import Caches
 from mergecompose.composition.drafts import merged_full_draft
+from mergecompose.composition.kv_cache import GrowingCache
 
 
 class SeparateModels:
@@ -31,8 +32,8 @@ class SeparateModels:
     def shares_one_base(self) -> bool:
         return False
 
-    def new_cache(self) -> Caches:
-        return [DynamicCache(config=model.config) for model in self.models]
+    def new_cache(self, length: int | None = None) -> Caches:
+        return [GrowingCache(model.config, length) for model in self.models]
 
     def close(self) -> None:
         """Nothing to undo: the models are used as given."""

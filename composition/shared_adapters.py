@@ -16,11 +16,12 @@ from collections.abc import Mapping, Sequence
 from typing import cast
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from mergecompose.composition.architecture import cache_kwarg
 from mergecompose.composition.backend import Caches
 from mergecompose.composition.drafts import merged_lora_draft
+from mergecompose.composition.kv_cache import GrowingCache
 from mergecompose.composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
 from mergecompose.core.adapters import TrainingFlags, load_adapters_on_base
 from mergecompose.core.boundary import check_adapter
@@ -75,8 +76,8 @@ class SharedAdapters:
     def shares_one_base(self) -> bool:
         return True
 
-    def new_cache(self) -> Caches:
-        return [DynamicCache(config=self._base_model.config)]
+    def new_cache(self, length: int | None = None) -> Caches:
+        return [GrowingCache(self._base_model.config, length)]
 
     def merged_draft(self, lambdas: Sequence[float]) -> PreTrainedModel:
         return merged_lora_draft(self._base_model, self.adapters, lambdas)

@@ -165,11 +165,11 @@ class _Columns:
 class _CachedModel:
     """A backend with its caches and the number of columns they hold."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, length: int) -> None:
         self.backend = backend
         # A 4D mask for passes over several tokens, where every model of the backend takes one as given.
         self.bias_dtype = bias_dtype(backend.models)
-        self.caches: Caches = backend.new_cache()
+        self.caches: Caches = backend.new_cache(length)
         for cache in self.caches:  # sliding-window layers keep their past until `crop` (transformers 5)
             if hasattr(cache, "activate_past_recording"):
                 cache.activate_past_recording()
@@ -219,7 +219,9 @@ class _Speculation:
         device = prompt.input_ids.device
         width = self.prompt_length + self.max_new_tokens * (num_draft_tokens + 1)
         self.columns = _Columns(prompt, stopping.pad_id, width)
-        self.target, self.draft = _CachedModel(target), _CachedModel(draft)
+        # The columns the caches hold when every draft is accepted; more (rows that accepted fewer) grow them.
+        expected = self.prompt_length + self.max_new_tokens + num_draft_tokens + 1
+        self.target, self.draft = _CachedModel(target, expected), _CachedModel(draft, expected)
         # Rows that accepted fewer drafts keep masked holes, unless a sliding window would count them.
         self.holes = not any(has_sliding_window(backend.base_model) for backend in (target, draft))
         # The output, with room for one round past the end (writes there are dropped).
