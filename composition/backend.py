@@ -45,6 +45,10 @@ class Backend(Protocol):
         """Empty KV caches, one per model in `models`; `length`: the columns they will hold, if known."""
         ...
 
+    def keep_rows(self, caches: Caches, rows: torch.Tensor, batch: int) -> None:
+        """Keep, in `caches`, only the batch rows `rows` `(b,)` of the `batch` they hold, in that order."""
+        ...
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -41,7 +41,7 @@ class GrowingLayer(DynamicLayer):
             self._key_buffer = self._value_buffer = None
         new_length = held + key_states.shape[-2]
         if not self._fits(key_states, new_length):
-            room = _room(new_length, self.length if self._key_buffer is None else None)
+            room = _room(new_length, self.length)
             self._key_buffer = _buffer(self.keys if held else None, key_states, room)
             self._value_buffer = _buffer(self.values if held else None, value_states, room)
         assert self._key_buffer is not None and self._value_buffer is not None

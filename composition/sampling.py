@@ -82,7 +82,11 @@ def sample(backend: Backend, compose: Compose, prompt: Prompt, stopping: Stoppin
     """Decode up to `prompt.max_new_tokens` tokens; returns `(B, P + n)`, the prompt and the generated tokens.
 
     Greedy steps are checked for NaN on the device and the flag is read once at the end, so the loop
-    has no host sync but the "all rows finished?" check; `compose` refuses NaN itself when sampling."""
+    has no host sync but the "how many rows are unfinished?" check; `compose` refuses NaN itself when
+    sampling. When that count falls to half the rows still in the pass or fewer, the finished rows leave
+    it (`Backend.keep_rows` on the caches): a batch's last long row no longer costs a pass over the whole
+    batch. A greedy row decodes what it decodes alone (tests/composition/test_finished_rows_leave.py);
+    a seed repeats its draws, which, as before, depend on the rows drawn beside them."""
     input_ids, pad_id = prompt.input_ids, stopping.pad_id
     device = input_ids.device
     batch, prompt_length = input_ids.shape
@@ -98,29 +102,45 @@ def sample(backend: Backend, compose: Compose, prompt: Prompt, stopping: Stoppin
     cache = backend.new_cache(total)
     logits = backend.forward(input_ids, prompt.attention_mask, prompt.position_ids, cache, logits_to_keep=1)
     length = prompt_length
+    # The rows still in the pass (b of the B), once finished rows have left it; None while all B are in it.
+    live: torch.Tensor | None = None
+    live_mask, live_positions = full_mask, prompt.generated_position_ids  # (b, total), (b, N)
     for _ in range(prompt.max_new_tokens):
-        scores = compose(logits[:, :, -1])  # (k+1, B, V) -> (B, V)
+        scores = compose(logits[:, :, -1])  # (k+1, b, V) -> (b, V)
         if sampler.do_sample:
+            rows = sequences if live is None else sequences[live]
             # transformers annotates `input_ids` as torch.LongTensor, a legacy type that plain tensors do not match.
-            scores = sampler.warpers(sequences[:, :length], scores)  # type: ignore[arg-type]
+            scores = sampler.warpers(rows[:, :length], scores)  # type: ignore[arg-type]
             probabilities = torch.softmax(scores, dim=-1)
-            next_tokens = torch.multinomial(probabilities, 1, generator=sampler.generator).squeeze(1)  # (B,)
+            next_tokens = torch.multinomial(probabilities, 1, generator=sampler.generator).squeeze(1)  # (b,)
         else:
             invalid |= torch.isnan(scores).any()
-            next_tokens = scores.argmax(dim=-1)  # (B,)
+            next_tokens = scores.argmax(dim=-1)  # (b,)
         next_tokens = torch.where(unfinished, next_tokens, pad_id)
-        sequences[:, length] = next_tokens
+        if live is None:
+            sequences[:, length] = next_tokens
+        else:
+            sequences[live, length] = next_tokens
         length += 1
-        unfinished = stopping.unfinished_after(unfinished, next_tokens, sequences[:, prompt_length:length])
-        if stopping.can_finish and not unfinished.any():
-            break
+        generated = (sequences if live is None else sequences[live])[:, prompt_length:length]
+        unfinished = stopping.unfinished_after(unfinished, next_tokens, generated)
         if length == total:
             break
+        if stopping.can_finish:
+            running = int(unfinished.sum())
+            if running == 0:
+                break
+            if running <= unfinished.shape[0] // 2:
+                keep = unfinished.nonzero().squeeze(1)  # (running,)
+                backend.keep_rows(cache, keep, unfinished.shape[0])
+                live = keep if live is None else live[keep]
+                unfinished, next_tokens = unfinished[keep], next_tokens[keep]
+                live_mask, live_positions = live_mask[keep], live_positions[keep]
         step = length - prompt_length - 1  # index of the token just generated
         logits = backend.forward(
             next_tokens[:, None],
-            full_mask[:, :length],
-            prompt.generated_position_ids[:, step : step + 1],
+            live_mask[:, :length],
+            live_positions[:, step : step + 1],
             cache,
             logits_to_keep=1,
         )

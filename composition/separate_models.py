@@ -35,6 +35,10 @@ class SeparateModels:
     def new_cache(self, length: int | None = None) -> Caches:
         return [GrowingCache(model.config, length) for model in self.models]
 
+    def keep_rows(self, caches: Caches, rows: torch.Tensor, batch: int) -> None:
+        for cache in caches:
+            cache.batch_select_indices(rows)
+
     def close(self) -> None:
         """Nothing to undo: the models are used as given."""
 

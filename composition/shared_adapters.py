@@ -79,6 +79,11 @@ class SharedAdapters:
     def new_cache(self, length: int | None = None) -> Caches:
         return [GrowingCache(self._base_model.config, length)]
 
+    def keep_rows(self, caches: Caches, rows: torch.Tensor, batch: int) -> None:
+        """The cache holds (k+1)·B rows, component-major: keep `rows` of each component's B."""
+        offsets = torch.arange(len(self.components), device=rows.device) * batch
+        caches[0].batch_select_indices((offsets[:, None] + rows[None, :]).reshape(-1))
+
     def merged_draft(self, lambdas: Sequence[float]) -> PreTrainedModel:
         return merged_lora_draft(self._base_model, self.adapters, lambdas)
 
