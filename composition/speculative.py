@@ -118,18 +118,21 @@ def speculative_decode(
         start = state.columns.used  # the round's first draft column
         unseen = start - state.draft.cached  # columns the draft has to catch up with before drafting
         tested, accepted_before, began = state.stats.tested, state.stats.accepted, time.perf_counter()
-        draft_probabilities = state.propose(count)
-        accepted, next_tokens = state.verify(start, draft_probabilities)
-        outcome = state.emit(start, accepted, next_tokens)  # reads from the device: the round is done
+        if count == 0:
+            remaining = state.plain_step()  # reads from the device: the round is done
+        else:
+            draft_probabilities = state.propose(count)
+            accepted, next_tokens = state.verify(start, draft_probabilities)
+            outcome = state.emit(start, accepted, next_tokens)  # reads from the device: the round is done
+            remaining = outcome.remaining
         seconds = time.perf_counter() - began
         timed = count == 0 or unseen <= 3
         tests = state.stats.tested - tested
         lengths.update(count, state.stats.accepted - accepted_before, tests, seconds if timed else None)
-        state.stats.plain_rounds += count == 0
-        remaining = outcome.remaining
         if remaining == 0:
             break
-        state.roll_back(start, outcome)
+        if count:
+            state.roll_back(start, outcome)
     return state.output[:, : state.prompt_length + int(state.emitted.max())], state.stats, state.invalid
 
 
@@ -342,6 +345,47 @@ class _Speculation:
         columns.mask[:, keep] = 1
         columns.positions[:, keep] = self.position_of((outcome.before + outcome.accepted).unsqueeze(1)).squeeze(1)
         columns.used += 1
+
+    def plain_step(self) -> int:
+        """A round of K = 0: one pass of the target over the newest column, one token for every row still
+        generating, appended as the next column. Returns the most tokens a row still generating may emit.
+
+        What `propose(0)`, `verify`, `emit` and `roll_back` do for K = 0, without their work on drafts:
+        it is the step the adaptive K falls back to, and should cost what plain decoding's step costs."""
+        columns, stopping = self.columns, self.stopping
+        scores = self.compose(self.target.forward(columns, logits_to_keep=1))[:, -1]  # (B, V)
+        if self.sampler.do_sample:
+            probabilities = self.sampler.probabilities(scores)  # (B, V)
+            next_tokens = torch.multinomial(probabilities, 1, generator=self.sampler.generator).squeeze(1)  # (B,)
+        else:
+            self.invalid |= torch.isnan(scores).any()
+            next_tokens = scores.argmax(-1)  # (B,)
+        emitted = self.emitted
+        active = self.unfinished & (emitted < self.max_new_tokens)  # (B,)
+        take = active.long()  # (B,)
+        if stopping.eos_ids is not None:
+            ends = torch.isin(next_tokens, stopping.eos_ids) & active
+            self.unfinished &= ~ends
+        if stopping.criteria is not None:
+            take = self._stop_within(stopping.criteria, next_tokens.unsqueeze(1), take)
+        written = torch.where(take > 0, next_tokens, stopping.pad_id)  # (B,)
+        self.output.scatter_(1, (self.prompt_length + emitted).unsqueeze(1), written.unsqueeze(1))
+        self.emitted = emitted + take
+        still = self.unfinished & (self.emitted < self.max_new_tokens)
+        summary = torch.stack([torch.where(still, self.max_new_tokens - self.emitted, 0).max(), active.sum()])
+        remaining, rows = summary.tolist()
+        self.stats.rounds += 1
+        self.stats.row_rounds += rows
+        self.stats.emitted += rows
+        self.stats.plain_rounds += 1
+        if remaining:
+            self.target.keep(columns.used)  # a no-op but for sliding-window layers, trimmed as after any round
+            self.draft.keep(columns.used)
+            columns.tokens[:, columns.used] = next_tokens
+            columns.mask[:, columns.used] = 1
+            columns.positions[:, columns.used] = self.position_of(emitted.unsqueeze(1)).squeeze(1)
+            columns.used += 1
+        return remaining
 
     def _stop_within(self, criteria: StopCriteria, new_tokens: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
         """Cut each row's `take` at the first token that completes a stop string (marking the row finished).
