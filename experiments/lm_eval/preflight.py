@@ -6,7 +6,8 @@ merges were built and other systems evaluated:
 
 * every local model folder through the loading boundary (`mergecompose.core.boundary`: config.json,
   weights and tokenizer files checked, nothing loaded); offline, every hub id in the hub cache;
-* `device`: CUDA (or MPS) present on this machine;
+* `device`: CUDA (or MPS) present on this machine; `dtype: bfloat16` where the device has no fast bfloat16
+  kernels is kept, with a warning (`mergecompose.core.precision`);
 * one vocabulary for every composition and merge: each expert's `vocab_size` (its config.json, or for a
   peft adapter its base's) against the base's, from the files, without loading weights;
 * the task files under `include_path` (they parse, and have lm-eval's fields);
@@ -22,12 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
 from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter
 from mergecompose.core.cli_common import check_free_disk
+from mergecompose.core.precision import slow_dtype_problem
 from mergecompose.core.sources import ADAPTER_CONFIG, CONFIG, is_local
 from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.lm_eval.catalog import check_task_files, leaf_configs, metric_names, task_kind
@@ -42,6 +45,9 @@ def check_before_work(config: LmEvalCompareConfig, config_path: str | os.PathLik
     try:
         check_sources(config)
         check_device(config.device)
+        slow = slow_dtype_problem(config.dtype, config.device, "dtype")
+        if slow is not None:
+            warnings.warn(slow, UserWarning, stacklevel=2)
         check_vocabularies(config)
         check_task_files(config.include_paths())
         manager = config.check_tasks()

@@ -6,8 +6,9 @@ training set is `examples` problems of the skill's train split (templates disjoi
 validation and test splits), as chat conversations with `SYSTEM_PROMPT`; the loss is on the
 assistant's tokens and the closing `<|im_end|>` (`training_batch`). Each step takes `batch_size`
 examples, in an order reshuffled every pass (seeded); AdamW with linear warm-up and a cosine to 0,
-gradients clipped at norm 1, the forward pass under bfloat16 autocast with float32 weights
-(`autocast: null` trains in float32).
+gradients clipped at norm 1, the forward pass under bfloat16 autocast with float32 weights where the
+CPU has fast bfloat16 kernels (`autocast: auto`, `mergecompose.core.precision`), in float32 elsewhere;
+`autocast: bfloat16` forces it, `autocast: null` trains in float32.
 
 `train_expert` keeps each trained expert in `CACHE/experts/<skill>-<kind>-<hash>`, the hash of the
 recipe, of the base's files (names, sizes, modification times) and of the training problems: a rerun
@@ -32,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.core.io import atomic_output_dir, atomic_write_text, manifest_problem, write_manifest
+from mergecompose.core.precision import AUTO, fast_bfloat16
 from mergecompose.core.training import Batch, OptimizerSettings, aligned_batch, train_model
 from mergecompose.experiments.config import fingerprint
 from mergecompose.experiments.lm_eval.systems import source_identity
@@ -61,7 +63,7 @@ class ExpertRecipe(BaseModel):
     alpha: float = Field(32.0, gt=0)  # LoRA only: scaling alpha / rank
     target_modules: list[str] = Field(default_factory=lambda: list(ALL_PROJECTIONS), min_length=1)
     seed: int = Field(0, ge=0)
-    autocast: Literal["bfloat16"] | None = "bfloat16"
+    autocast: Literal["auto", "bfloat16"] | None = "auto"
     # The answers trained on: the problems' reference solutions, or the base's own answers that are right
     # (`samples` drawn per problem at `temperature`, kept when their lenient score passes: rejection sampling).
     answers: Literal["reference", "sampled"] = "reference"
@@ -77,6 +79,17 @@ class ExpertRecipe(BaseModel):
         if self.arithmetic != "direct" and self.skill != "math":
             raise ValueError(f"`arithmetic` must be 'direct' for a {self.skill} expert, got {self.arithmetic!r}")
         return self
+
+
+def resolved(recipe: ExpertRecipe) -> ExpertRecipe:
+    """`recipe` with `autocast: auto` made what it means on this CPU: 'bfloat16' where it is fast, else None."""
+    if recipe.autocast != AUTO:
+        return recipe
+    return recipe.model_copy(update={"autocast": "bfloat16" if fast_bfloat16("cpu") else None})
+
+
+def _autocast(recipe: ExpertRecipe) -> torch.dtype | None:
+    return torch.bfloat16 if resolved(recipe).autocast == "bfloat16" else None
 
 
 def training_pairs(recipe: ExpertRecipe) -> list[tuple[str, str]]:
@@ -103,7 +116,7 @@ def sampled_pairs(model, tokenizer, recipe: ExpertRecipe, batch_size: int = 32) 
     model.eval()
     for start in range(0, len(prompts), batch_size):
         inputs = generation_inputs(tokenizer, prompts[start : start + batch_size])
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=recipe.autocast is not None):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=_autocast(recipe) is not None):
             generated = model.generate(
                 **inputs,
                 do_sample=True,
@@ -139,7 +152,10 @@ def expert_folder(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os
     data generator trains anew instead of reusing an expert trained on other problems.
     """
     problems = fingerprint([list(pair) for pair in training_pairs(recipe)])
-    key = fingerprint({"recipe": recipe.model_dump(mode="json"), "base": source_identity(str(base)), "data": problems})
+    # `autocast: auto` keyed by what it resolves to: an expert trained in bfloat16 is not one trained in float32.
+    key = fingerprint(
+        {"recipe": resolved(recipe).model_dump(mode="json"), "base": source_identity(str(base)), "data": problems}
+    )
     return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
 
 
@@ -188,7 +204,7 @@ def train_expert(
         description=f"{recipe.skill} expert ({recipe.kind})",
         progress=progress,
         log_every=1,
-        autocast=torch.bfloat16 if recipe.autocast == "bfloat16" else None,
+        autocast=_autocast(recipe),
     )
     seconds = round(time.perf_counter() - started, 1)
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -199,7 +215,7 @@ def train_expert(
             model.save_pretrained(out)
             tokenizer.save_pretrained(str(out))
         record = {
-            "recipe": recipe.model_dump(mode="json"),
+            "recipe": resolved(recipe).model_dump(mode="json"),
             "base": str(base),
             "seconds": seconds,
             "examples": counts,

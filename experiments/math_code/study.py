@@ -43,6 +43,7 @@ import math
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -57,6 +58,7 @@ from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.core.boundary import check_checkpoint
 from mergecompose.core.cli_common import check_free_disk
 from mergecompose.core.io import atomic_save_figure, atomic_write_text, markdown_table
+from mergecompose.core.precision import resolve_dtype, slow_dtype_problem
 from mergecompose.core.sandbox import sandbox_available
 from mergecompose.experiments.config import MergeGrid, check_merge_grids, fingerprint
 from mergecompose.experiments.lm_eval.catalog import check_task_files, check_task_names
@@ -192,7 +194,8 @@ class MathCodeStudyConfig(_Strict):
     diagnostics: DiagnosticsSettings = Field(default_factory=DiagnosticsSettings)
     batch_size: int = Field(32, ge=1)
     device: str = "cpu"
-    dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
+    # `auto`: bfloat16 where the device has fast bfloat16 kernels, float32 elsewhere (mergecompose.core.precision).
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     threads: int | None = Field(None, ge=1)  # torch's threads for the run; None: every core
     seed_merges: int = Field(0, ge=0)
     allow_code_execution: bool = False
@@ -273,7 +276,7 @@ class MathCodeStudyConfig(_Strict):
             "seed_merges": self.seed_merges,
             "batch_size": self.batch_size,
             "device": self.device,
-            "dtype": self.dtype,
+            "dtype": resolve_dtype(self.dtype, self.device),
             "allow_code_execution": self.allow_code_execution,
         }
         if include_path is None:
@@ -304,6 +307,12 @@ def check_before_work(config: MathCodeStudyConfig, out_dir: str | os.PathLike | 
     if reason is not None:
         raise ValueError(f"`allow_code_execution`: the code sandbox does not run here: {reason}")
     check_device(config.device)
+    for problem in [slow_dtype_problem(config.dtype, config.device, "dtype")] + [
+        slow_dtype_problem(recipe.autocast or "", "cpu", f"experts.{name}.autocast")
+        for name, recipe in config.experts.items()
+    ]:
+        if problem is not None:
+            warnings.warn(problem, UserWarning, stacklevel=2)
     tokenizer = (
         AutoTokenizer.from_pretrained(config.base_folder_hint()) if Path(config.base_folder_hint()).is_dir() else None
     )

@@ -71,7 +71,7 @@ def study_fields(base: str) -> dict:
         },
         "diagnostics": {"prompts": 2, "max_new_tokens": 4, "batch_size": 2},
         "batch_size": 2,
-        "dtype": "bfloat16",
+        "dtype": "auto",  # as the shipped config: bfloat16 where the CPU has fast bfloat16 kernels
         "threads": torch.get_num_threads(),
         "allow_code_execution": True,
     }
