@@ -98,6 +98,7 @@ def train_model(
     progress: bool = True,
     log_every: int = 50,
     autocast: torch.dtype | None = None,
+    labelled_logits_only: bool = False,
 ) -> TrainingLog:
     """Train the parameters of `model` that require grad on `batches`; returns the loss log.
 
@@ -108,6 +109,9 @@ def train_model(
     rounded to 6 decimals, at every `log_every`-th step and the last. The model is left in eval mode.
     `autocast` (e.g. `torch.bfloat16`) runs the forward pass under `torch.autocast` on the model's device: the
     parameters and the optimizer's state stay in their own dtype (float32 master weights), the loss is float32.
+    `labelled_logits_only` (for transformers causal LMs, which take `logits_to_keep`): the output layer and the
+    loss run only on the positions where some row of the batch has a label, not on the prompt and padding before
+    them and after them; the loss is the same.
     """
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     if not parameters:
@@ -121,12 +125,16 @@ def train_model(
     bar = tqdm(total=total_steps, desc=description, disable=not progress, leave=False, dynamic_ncols=True)
     for step, batch in enumerate(batches):
         batch = batch.to(device)
+        labels, keep = batch.labels, {}  # (B, T)
+        if labelled_logits_only:
+            columns = (labels != IGNORE_INDEX).any(0).nonzero().squeeze(1)  # (T',) the columns with a label
+            labels, keep = labels[:, columns], {"logits_to_keep": columns}  # (B, T')
         with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             logits = model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids
-            ).logits  # (B, T, V)
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, **keep
+            ).logits  # (B, T or T', V)
         loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX
         )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -205,6 +205,7 @@ def train_expert(
         progress=progress,
         log_every=1,
         autocast=_autocast(recipe),
+        labelled_logits_only=True,
     )
     seconds = round(time.perf_counter() - started, 1)
     folder.parent.mkdir(parents=True, exist_ok=True)

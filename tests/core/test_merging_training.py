@@ -38,6 +38,24 @@ def random_batch(seed: int, rows: int = 4, length: int = 10) -> Batch:
     return Batch(input_ids, attention_mask, position_ids, labels)
 
 
+def test_labelled_logits_only_trains_exactly_as_the_full_output_layer(tiny_config):
+    """The output layer run on the labelled columns only (`labelled_logits_only`) gives the same losses and weights:
+    here the first two and the last columns carry no label in any row, so they are left out."""
+    batch = random_batch(seed=4)
+    batch.labels[:, :2] = IGNORE_INDEX
+    batches = [batch, random_batch(seed=5)]
+    models = [random_llama(tiny_config, seed=3) for _ in range(2)]
+    logs = [
+        train_model(
+            model, batches, OptimizerSettings(lr=1e-2), 2, progress=False, log_every=1, labelled_logits_only=only
+        )
+        for model, only in zip(models, (False, True))
+    ]
+    assert [loss for _, loss in logs[0].losses] == pytest.approx([loss for _, loss in logs[1].losses], abs=1e-6)
+    for (name, full), (_, kept) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        torch.testing.assert_close(kept, full, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_lr_schedule_golden_values():
     settings = OptimizerSettings(warmup_fraction=0.2)  # 10 steps: 2 of warmup, then 8 of cosine
     values = [lr_factor(step, 10, settings) for step in range(10)]
