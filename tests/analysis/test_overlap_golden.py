@@ -57,6 +57,8 @@ CAPABILITY = torch.backends.cpu.get_cpu_capability()  # the kernel family: "AVX5
 def golden_file(path: Path) -> Path:
     """This CPU's file of `path`: `path` itself on an AVX-512 CPU, `<stem>.<capability>.json` elsewhere."""
     return path if CAPABILITY == "AVX512" else path.with_name(f"{path.stem}.{CAPABILITY}{path.suffix}")
+
+
 RELATIVE, ABSOLUTE = 1e-6, 1e-9
 
 
