@@ -2,7 +2,7 @@
 
 import json
 
-from benchmarks import decode, merge
+from benchmarks import decode, merge, precision
 from benchmarks import lm_eval as lm_eval_benchmark
 
 
@@ -22,6 +22,13 @@ def test_lm_eval_benchmark_runs(tmp_path):
     for rows in results["batches"].values():
         assert set(rows) == {"hf", "composed"}
         assert all(row["tokens"] > 0 for row in rows.values())
+
+
+def test_precision_benchmark_runs(tmp_path):
+    out = tmp_path / "precision.json"
+    results = precision.main(["--smoke", "--out", str(out)])
+    assert json.loads(out.read_text())["rows"] == {"2": results["rows"][2]}
+    assert results["auto"] == ("bfloat16" if results["fast_bfloat16"] else "float32")
 
 
 def test_merge_benchmark_runs(tmp_path):
