@@ -25,6 +25,7 @@ every module its own forward back.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
@@ -32,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-# A CPU linear over this many rows is computed as W @ xᵀ, outside it as F.linear's x @ Wᵀ (see `_linear_forward`).
-_WX_ROWS = range(9, 49)
+# A CPU pass over this many rows computes the shared base's linears with the kernel `FewRowKernel` chose for it by
+# timing; outside it, with F.linear's x @ Wᵀ (see `_linear_forward`).
+_TUNED_ROWS = range(2, 65)
 # Up to this many expert rows, the LoRA products take the side-by-side path (module docstring).
 _FEW_EXPERT_ROWS = 64
 # Sibling linears that read the same input in the architectures transformers ships: their side-by-side A
@@ -84,6 +86,43 @@ class _SharedInput:
         self.x, self.hidden = None, None
 
 
+class FewRowKernel:
+    """Which kernel computes a linear over few rows on this CPU: F.linear's x @ Wᵀ or W @ xᵀ, chosen by timing.
+
+    With the weights streaming from memory, as they do in a model at a decoding step, the two kernels cost
+    very different amounts, and which one is faster depends on the CPU and its BLAS: on one AVX-512 CPU
+    x @ Wᵀ was the faster up to 8 rows and W @ xᵀ from 9 to 48, on an AVX2 CPU W @ xᵀ was the faster from
+    2 rows (benchmarks/README.md, "The few-row kernel"). So for each row count the first `2 · trials`
+    passes alternate the two, timing each pass's linears, and later passes take the one with the smaller
+    best time. Both compute the same product; only the order of their float sums differs."""
+
+    KERNELS = ("x_wt", "w_xt")
+
+    def __init__(self, trials: int = 2) -> None:
+        self.trials = trials
+        self.seconds: dict[int, dict[str, list[float]]] = {}  # rows -> kernel -> timed passes
+        self.chosen: dict[int, str] = {}
+
+    def kernel(self, rows: int) -> str:
+        """The kernel of the next pass over `rows` rows (a trial while the choice is not made)."""
+        if rows in self.chosen:
+            return self.chosen[rows]
+        timed = self.seconds.get(rows, {})
+        counts = [len(timed.get(kernel, [])) for kernel in self.KERNELS]
+        return self.KERNELS[0] if counts[0] <= counts[1] else self.KERNELS[1]
+
+    def timing(self, rows: int) -> bool:
+        """True while passes over `rows` rows are trials, to be timed and `record`ed."""
+        return rows not in self.chosen
+
+    def record(self, rows: int, kernel: str, seconds: float) -> None:
+        """A trial pass's time; after `trials` passes of each kernel, the one with the smaller best time is chosen."""
+        timed = self.seconds.setdefault(rows, {name: [] for name in self.KERNELS})
+        timed[kernel].append(seconds)
+        if all(len(times) >= self.trials for times in timed.values()):
+            self.chosen[rows] = min(self.KERNELS, key=lambda name: min(timed[name]))
+
+
 # A_t (p, in, r_max), B_t (p, r_max, out): what `StackedLoRA.factors` gives for each module.
 Factors = tuple[torch.Tensor, torch.Tensor]
 
@@ -105,6 +144,10 @@ class StackedLoRA:
         self.adapter_names = list(adapter_names)
         self.n_components = len(self.adapter_names) + 1
         self._on = False
+        self.few_rows = FewRowKernel()
+        # The pass under way: its row count, kernel, and the seconds its linears took (while it is a trial).
+        self._pass: tuple[int, str, bool] | None = None
+        self._pass_seconds = 0.0
         stacked: dict[str, _Factors] = {}
         for path, module in peft_model.get_base_model().named_modules():
             if not hasattr(module, "lora_A"):
@@ -208,22 +251,32 @@ class StackedLoRA:
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """Replacement forward for an nn.Linear of the shared base.
 
-        Outside `active()` it is the plain `F.linear`. Inside, a decoding step has few rows
-        ((k+1)·B). On CPU with torch 2.13's BLAS, `F.linear`'s `x @ Wᵀ` is the faster kernel up to 8 rows
-        and `W @ xᵀ` from 9 to 48 rows, when the weights stream from memory as they do in a model
-        (benchmarks/README.md, "The few-row kernel", has the measurements).
+        Outside `active()` it is the plain `F.linear`. Inside, a decoding step has few rows ((k+1)·B): on
+        a CPU, a pass over a row count in `_TUNED_ROWS` uses the kernel `FewRowKernel` chose for it, `x @ Wᵀ`
+        or `W @ xᵀ`, and a pass that is one of its trials is timed here, linear by linear.
         """
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             if not self._on:
                 return F.linear(x, module.weight, module.bias)
             rows = x.reshape(-1, x.shape[-1])  # (N, in)
-            if rows.shape[0] in _WX_ROWS and rows.device.type == "cpu":
+            count = rows.shape[0]
+            if self._pass is None:  # the pass's first linear sets its row count and kernel
+                tuned = count in _TUNED_ROWS and rows.device.type == "cpu"
+                kernel = self.few_rows.kernel(count) if tuned else "x_wt"
+                self._pass = (count, kernel, tuned and self.few_rows.timing(count))
+            kernel, timing = "x_wt", False
+            if self._pass[0] == count:  # (an output layer over fewer rows than a prompt pass keeps x @ Wᵀ)
+                _, kernel, timing = self._pass
+            started = time.perf_counter() if timing else 0.0
+            if kernel == "w_xt":
                 output = torch.mm(module.weight, rows.T).T.contiguous()  # (N, out)
                 if module.bias is not None:
                     output = output + module.bias
             else:
                 output = F.linear(rows, module.weight, module.bias)  # (N, out)
+            if timing:
+                self._pass_seconds += time.perf_counter() - started
             if factors is not None:
                 output = self._add_products(rows, output, factors)
             return output.view(*x.shape[:-1], output.shape[-1])
@@ -245,12 +298,18 @@ class StackedLoRA:
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         self._on = True
+        self._pass, self._pass_seconds = None, 0.0
+        completed = False
         try:
             yield
+            completed = True
         finally:
             self._on = False
             for group in self._groups:
                 group.clear()  # no input or product is kept from one pass to the next
+            if completed and self._pass is not None and self._pass[2]:  # a whole trial pass
+                self.few_rows.record(self._pass[0], self._pass[1], self._pass_seconds)
+            self._pass = None
 
 
 def _same_input_groups(stacked: dict[str, _Factors]) -> list[_SharedInput]:

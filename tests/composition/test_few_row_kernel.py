@@ -1,0 +1,56 @@
+"""The few-row kernel of the shared base's linears (`FewRowKernel`, stacked_lora.py): chosen by timing, per row count.
+
+The policy on given timings; then a LoRA composition that decodes with each kernel forced gives the same
+logits within float32 rounding, and one left to choose has chosen for its decoding steps' row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mergecompose.composition import ComposedLM
+from mergecompose.composition.stacked_lora import FewRowKernel
+from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("faster", FewRowKernel.KERNELS)
+def test_the_kernels_take_turns_then_the_faster_serves(faster):
+    choice = FewRowKernel(trials=2)
+    seen = []
+    for _ in range(4):
+        kernel = choice.kernel(3)
+        assert choice.timing(3)
+        seen.append(kernel)
+        choice.record(3, kernel, 1.0 if kernel == faster else 2.0)
+    assert seen == ["x_wt", "w_xt", "x_wt", "w_xt"]
+    assert choice.chosen == {3: faster} and not choice.timing(3) and choice.kernel(3) == faster
+    assert choice.timing(6) and choice.kernel(6) == "x_wt"  # each row count is chosen on its own
+
+
+def test_the_smaller_best_time_wins_over_one_slow_trial():
+    choice = FewRowKernel(trials=2)
+    for kernel, seconds in (("x_wt", 5.0), ("w_xt", 1.5), ("x_wt", 1.0), ("w_xt", 1.4)):
+        choice.record(3, kernel, seconds)
+    assert choice.chosen == {3: "x_wt"}  # its first pass was slow (a warm-up), its best is the best
+
+
+@pytest.fixture(scope="module")
+def lora_composition(tiny_config, lora_dirs):
+    return ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
+
+
+def test_either_kernel_gives_the_same_logits_and_the_composition_chooses(lora_composition):
+    backend = lora_composition.backend
+    stacked = backend.stacked
+    ids, mask = left_padded_batch([6, 4], seed=5)
+    stacked.few_rows = FewRowKernel()
+    lora_composition.generate(ids, mask, max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+    rows = len(backend.components) * ids.shape[0]  # (k+1)·B rows in a decoding step
+    assert rows in stacked.few_rows.chosen  # 7 decoding steps: 2 trials of each kernel, then the choice
+    step = ids[:, -1:]  # (B, 1): a pass over one token a row has the decoding step's row count
+    stacked.few_rows = FewRowKernel(trials=1)  # two trial passes, one with each kernel, each timed
+    logits = [backend.forward(step, torch.ones_like(step), torch.zeros_like(step)) for _ in range(2)]  # (k+1, B, 1, V)
+    assert {kernel: len(times) for kernel, times in stacked.few_rows.seconds[rows].items()} == {"x_wt": 1, "w_xt": 1}
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
