@@ -2,8 +2,9 @@
 
 On a CPU, torch runs bfloat16 matrix products through oneDNN when the CPU has the instructions for it
 (AVX-512 on x86, BF16 on Arm); `torch.ops.mkldnn._is_mkldnn_bf16_supported()` says whether it does.
-Elsewhere, on an AVX2-only CPU for example, they fall back to a reference kernel that is tens of times
-slower than float32 (README, "A real model", has the measurement), so a training or evaluation run
+Elsewhere, on an AVX2-only CPU for example, they fall back to a reference kernel, several times slower
+than float32 on many rows and slower still in the backward pass (README, "A real model", has the
+measurements), so a training or evaluation run
 configured for bfloat16 takes hours longer there than in float32. On CUDA, `torch.cuda.is_bf16_supported()`
 answers the same question.
 
@@ -42,6 +43,6 @@ def slow_dtype_problem(name: str, device: str | torch.device, field: str) -> str
     capability = torch.backends.cpu.get_cpu_capability() if torch.device(device).type == "cpu" else str(device)
     return (
         f"`{field}` is 'bfloat16', but this {torch.device(device).type} ({capability}) has no fast bfloat16 kernels: "
-        "torch runs its bfloat16 matrix products through a fallback tens of times slower than float32; "
+        "torch runs its bfloat16 matrix products through a fallback several times slower than float32; "
         f"set `{field}: auto` (bfloat16 where it is fast, float32 elsewhere) or 'float32'"
     )
