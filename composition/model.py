@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from mergecompose.composition.architecture import check_vocabularies, context_length
 from mergecompose.composition.backend import Backend
 from mergecompose.composition.config import DecodingConfig
+from mergecompose.composition.few_rows import FewRowKernel
 from mergecompose.composition.inputs import check_context, checked_logprobs, prepare_inputs, prepare_prompt
 from mergecompose.composition.loading import (
     attention_that_caps,
@@ -109,6 +110,7 @@ class ComposedLM:
         self._backend = None
         self._closed = False
         self._merged_drafts: dict[tuple[float, ...], PreTrainedModel] = {}
+        self._draft_kernel = FewRowKernel()  # the few-row kernel's choice for the drafts' passes, kept across calls
         # What the last `generate(draft=...)` did (None after a call without a draft).
         self.speculation_stats: SpeculationStats | None = None
 
@@ -224,8 +226,8 @@ class ComposedLM:
 
         For `from_adapters`: the LoRA layers or patched forwards are removed from the base model
         and its train/eval modes and `requires_grad` flags restored, so its modules, parameters and
-        outputs are bitwise what they were. For full checkpoints nothing is changed. Afterwards
-        this ComposedLM raises on use.
+        outputs are bitwise what they were. For full checkpoints, the replaced forwards of their linears
+        (the few-row kernel, `SeparateModels`) are removed. Afterwards this ComposedLM raises on use.
         """
         if self._closed:
             return
@@ -396,10 +398,20 @@ class ComposedLM:
         if config.draft is None:
             return sample(self.backend, compose, prompt, stopping, sampler)
         draft_model = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
-        draft_backend = SeparateModels([draft_model])
-        sequences, self.speculation_stats, invalid = speculative_decode(
-            self.backend, draft_backend, compose, prompt, stopping, sampler, config.draft_tokens, config.adaptive_draft
-        )
+        draft_backend = SeparateModels([draft_model], self._draft_kernel)
+        try:
+            sequences, self.speculation_stats, invalid = speculative_decode(
+                self.backend,
+                draft_backend,
+                compose,
+                prompt,
+                stopping,
+                sampler,
+                config.draft_tokens,
+                config.adaptive_draft,
+            )
+        finally:
+            draft_backend.close()  # the draft's linears get their own forwards back
         if invalid:
             raise ValueError(NAN_COMPOSITION)
         return sequences

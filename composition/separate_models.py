@@ -1,4 +1,7 @@
-"""The backend of full expert checkpoints: k+1 models, run one after another, each with its own KV cache."""
+"""The backend of full expert checkpoints: k+1 models, run one after another, each with its own KV cache.
+
+Their plain linears use the few-row kernel (few_rows.py) while a pass runs: speculative decoding verifies
+K+1 tokens a row, and a batch of B rows decodes B rows a step."""
 
 from __future__ import annotations
 
@@ -10,15 +13,21 @@ from transformers import PreTrainedModel
 from mergecompose.composition.architecture import cache_kwarg
 from mergecompose.composition.backend import Caches
 from mergecompose.composition.drafts import merged_full_draft
+from mergecompose.composition.few_rows import FewRowKernel, FewRowLinears
 from mergecompose.composition.kv_cache import GrowingCache
 
 
 class SeparateModels:
-    """k+1 full models, base first, used as given (a draft model is one of them alone)."""
+    """k+1 full models, base first (a draft model is one of them alone).
 
-    def __init__(self, models: Sequence[PreTrainedModel]) -> None:
+    The forwards of their plain `nn.Linear` modules are replaced until `close()` (`FewRowLinears`), which
+    gives them back; outside this backend's passes the replaced forward is F.linear. `kernel`: the
+    few-row kernel's choice to share, e.g. across the drafts of one composition; default a new one."""
+
+    def __init__(self, models: Sequence[PreTrainedModel], kernel: FewRowKernel | None = None) -> None:
         self.models = list(models)
         self.cache_kwargs = [cache_kwarg(model) for model in self.models]
+        self.linears = FewRowLinears.of_models(self.models, kernel)
 
     @property
     def device(self) -> torch.device:
@@ -40,7 +49,8 @@ class SeparateModels:
             cache.batch_select_indices(rows)
 
     def close(self) -> None:
-        """Nothing to undo: the models are used as given."""
+        """Give every linear its own forward back; idempotent."""
+        self.linears.close()
 
     def merged_draft(self, lambdas: Sequence[float]) -> PreTrainedModel:
         return merged_full_draft(self.models[0], self.models[1:], lambdas)
@@ -57,12 +67,13 @@ class SeparateModels:
         outputs = []
         for index, model in enumerate(self.models):
             kwargs = {} if cache is None else {self.cache_kwargs[index]: cache[index], "use_cache": True}
-            logits = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                logits_to_keep=logits_to_keep,
-                **kwargs,
-            ).logits  # (B, T', V)
+            with self.linears.active():
+                logits = model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    logits_to_keep=logits_to_keep,
+                    **kwargs,
+                ).logits  # (B, T', V)
             outputs.append(logits)
         return torch.stack(outputs)  # (k+1, B, T', V)

@@ -17,25 +17,23 @@ factors are laid side by side, A = [A_1 | … | A_k] (in, k·r) and B = [B_1; �
 which is two plain matrix products and one product with a 0/1 mask, whatever k is.
 
 The factors come from the adapters that peft loaded; the LoRA layers are then unloaded
-(`PeftModel.unload`, no merge) so the base model is plain again, and forward hooks on the base
-linears add the stacked products while `active()` is on. `close()` removes the hooks and gives
-every module its own forward back.
+(`PeftModel.unload`, no merge) so the base model is plain again, and the replaced forwards of the base
+linears (`FewRowLinears`, few_rows.py) add the stacked products while `active()` is on. `close()` removes
+the hooks and gives every module its own forward back.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-# A CPU pass over this many rows computes the shared base's linears with the kernel `FewRowKernel` chose for it by
-# timing; outside it, with F.linear's x @ Wᵀ (see `_linear_forward`).
-_TUNED_ROWS = range(2, 65)
+from mergecompose.composition.few_rows import FewRowKernel, FewRowLinears
+
 # Up to this many expert rows, the LoRA products take the side-by-side path (module docstring).
 _FEW_EXPERT_ROWS = 64
 # Sibling linears that read the same input in the architectures transformers ships: their side-by-side A
@@ -86,43 +84,6 @@ class _SharedInput:
         self.x, self.hidden = None, None
 
 
-class FewRowKernel:
-    """Which kernel computes a linear over few rows on this CPU: F.linear's x @ Wᵀ or W @ xᵀ, chosen by timing.
-
-    With the weights streaming from memory, as they do in a model at a decoding step, the two kernels cost
-    very different amounts, and which one is faster depends on the CPU and its BLAS: on one AVX-512 CPU
-    x @ Wᵀ was the faster up to 8 rows and W @ xᵀ from 9 to 48, on an AVX2 CPU W @ xᵀ was the faster from
-    2 rows (benchmarks/README.md, "The few-row kernel"). So for each row count the first `2 · trials`
-    passes alternate the two, timing each pass's linears, and later passes take the one with the smaller
-    best time. Both compute the same product; only the order of their float sums differs."""
-
-    KERNELS = ("x_wt", "w_xt")
-
-    def __init__(self, trials: int = 2) -> None:
-        self.trials = trials
-        self.seconds: dict[int, dict[str, list[float]]] = {}  # rows -> kernel -> timed passes
-        self.chosen: dict[int, str] = {}
-
-    def kernel(self, rows: int) -> str:
-        """The kernel of the next pass over `rows` rows (a trial while the choice is not made)."""
-        if rows in self.chosen:
-            return self.chosen[rows]
-        timed = self.seconds.get(rows, {})
-        counts = [len(timed.get(kernel, [])) for kernel in self.KERNELS]
-        return self.KERNELS[0] if counts[0] <= counts[1] else self.KERNELS[1]
-
-    def timing(self, rows: int) -> bool:
-        """True while passes over `rows` rows are trials, to be timed and `record`ed."""
-        return rows not in self.chosen
-
-    def record(self, rows: int, kernel: str, seconds: float) -> None:
-        """A trial pass's time; after `trials` passes of each kernel, the one with the smaller best time is chosen."""
-        timed = self.seconds.setdefault(rows, {name: [] for name in self.KERNELS})
-        timed[kernel].append(seconds)
-        if all(len(times) >= self.trials for times in timed.values()):
-            self.chosen[rows] = min(self.KERNELS, key=lambda name: min(timed[name]))
-
-
 # A_t (p, in, r_max), B_t (p, r_max, out): what `StackedLoRA.factors` gives for each module.
 Factors = tuple[torch.Tensor, torch.Tensor]
 
@@ -144,10 +105,6 @@ class StackedLoRA:
         self.adapter_names = list(adapter_names)
         self.n_components = len(self.adapter_names) + 1
         self._on = False
-        self.few_rows = FewRowKernel()
-        # The pass under way: its row count, kernel, and the seconds its linears took (while it is a trial).
-        self._pass: tuple[int, str, bool] | None = None
-        self._pass_seconds = 0.0
         stacked: dict[str, _Factors] = {}
         for path, module in peft_model.get_base_model().named_modules():
             if not hasattr(module, "lora_A"):
@@ -165,15 +122,25 @@ class StackedLoRA:
         self._masks: dict[tuple[int, tuple[int, ...], int], torch.Tensor] = {}
         self.model = peft_model.unload()  # the base model with its original layers, unmerged
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        # (module, its instance-level forward before ours or None), for `close()`.
-        self._patched: list[tuple[torch.nn.Module, Callable[..., torch.Tensor] | None]] = []
+        linears = []
         for path, module in self.model.named_modules():
             if isinstance(module, torch.nn.Linear):
-                self._patched.append((module, module.__dict__.get("forward")))
-                # An instance attribute: the class's forward is left alone, and `close()` deletes ours.
-                module.__dict__["forward"] = self._linear_forward(module, stacked.get(path))
+                factors = stacked.get(path)
+                addition = None if factors is None else functools.partial(self._add_products, factors=factors)
+                linears.append((module, addition))
             elif path in stacked:  # e.g. GPT-2's Conv1D: keep its forward, add the products after it
                 self._handles.append(module.register_forward_hook(self._hook(stacked[path])))
+        # The shared base's linears run over (k+1)·B rows at a decoding step: the few-row kernel (few_rows.py).
+        self.linears = FewRowLinears(linears)
+
+    @property
+    def few_rows(self) -> FewRowKernel:
+        """The few-row kernel's choice for the shared base's linears."""
+        return self.linears.kernel
+
+    @few_rows.setter
+    def few_rows(self, kernel: FewRowKernel) -> None:
+        self.linears.kernel = kernel
 
     def _stack(self, module: LoraLinear, names: list[str], present: list[int]) -> _Factors:
         """The experts' factors of `module`, side by side (`_Factors`)."""
@@ -246,70 +213,24 @@ class StackedLoRA:
 
         return add_lora
 
-    def _linear_forward(
-        self, module: torch.nn.Linear, factors: _Factors | None
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        """Replacement forward for an nn.Linear of the shared base.
-
-        Outside `active()` it is the plain `F.linear`. Inside, a decoding step has few rows ((k+1)·B): on
-        a CPU, a pass over a row count in `_TUNED_ROWS` uses the kernel `FewRowKernel` chose for it, `x @ Wᵀ`
-        or `W @ xᵀ`, and a pass that is one of its trials is timed here, linear by linear.
-        """
-
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if not self._on:
-                return F.linear(x, module.weight, module.bias)
-            rows = x.reshape(-1, x.shape[-1])  # (N, in)
-            count = rows.shape[0]
-            if self._pass is None:  # the pass's first linear sets its row count and kernel
-                tuned = count in _TUNED_ROWS and rows.device.type == "cpu"
-                kernel = self.few_rows.kernel(count) if tuned else "x_wt"
-                self._pass = (count, kernel, tuned and self.few_rows.timing(count))
-            kernel, timing = "x_wt", False
-            if self._pass[0] == count:  # (an output layer over fewer rows than a prompt pass keeps x @ Wᵀ)
-                _, kernel, timing = self._pass
-            started = time.perf_counter() if timing else 0.0
-            if kernel == "w_xt":
-                output = torch.mm(module.weight, rows.T).T.contiguous()  # (N, out)
-                if module.bias is not None:
-                    output = output + module.bias
-            else:
-                output = F.linear(rows, module.weight, module.bias)  # (N, out)
-            if timing:
-                self._pass_seconds += time.perf_counter() - started
-            if factors is not None:
-                output = self._add_products(rows, output, factors)
-            return output.view(*x.shape[:-1], output.shape[-1])
-
-        return forward
-
     def close(self) -> None:
         """Remove the hooks and give every patched module its previous forward back; idempotent."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        for module, previous in self._patched:
-            if previous is None:
-                del module.__dict__["forward"]  # the class's forward again
-            else:
-                module.__dict__["forward"] = previous
-        self._patched = []
+        self.linears.close()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
+        """One pass of the component-major batch: the LoRA products added, the few-row kernel on."""
         self._on = True
-        self._pass, self._pass_seconds = None, 0.0
-        completed = False
         try:
-            yield
-            completed = True
+            with self.linears.active():
+                yield
         finally:
             self._on = False
             for group in self._groups:
                 group.clear()  # no input or product is kept from one pass to the next
-            if completed and self._pass is not None and self._pass[2]:  # a whole trial pass
-                self.few_rows.record(self._pass[0], self._pass[1], self._pass_seconds)
-            self._pass = None
 
 
 def _same_input_groups(stacked: dict[str, _Factors]) -> list[_SharedInput]:

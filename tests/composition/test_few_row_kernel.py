@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.stacked_lora import FewRowKernel
+from mergecompose.composition.few_rows import FewRowKernel
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -54,3 +54,39 @@ def test_either_kernel_gives_the_same_logits_and_the_composition_chooses(lora_co
     logits = [backend.forward(step, torch.ones_like(step), torch.zeros_like(step)) for _ in range(2)]  # (k+1, B, 1, V)
     assert {kernel: len(times) for kernel, times in stacked.few_rows.seconds[rows].items()} == {"x_wt": 1, "w_xt": 1}
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+
+
+def _replaced(models):
+    """The modules of `models` whose forward is an instance attribute (a replaced forward)."""
+    return [name for model in models for name, module in model.named_modules() if "forward" in module.__dict__]
+
+
+def test_full_experts_use_either_kernel_and_get_their_linears_back(tiny_config):
+    """`SeparateModels` runs its models' linears with the few-row kernel: both kernels give the models' own
+    logits within float32 rounding, a speculative run chooses one for its verification passes (B·(K+1) rows)
+    and gives the draft's linears back, and `close()` gives every linear its own forward back."""
+    models = [random_llama(tiny_config, seed=seed) for seed in (0, 1, 2)]
+    lm = ComposedLM(models[0], models[1:])
+    linears = lm.backend.linears
+    assert len(_replaced(models)) == 3 * 15  # 7 projections in each of 2 layers and the output layer, per model
+    ids, mask = left_padded_batch([6, 4], seed=5)
+    step = ids[:, -1:]  # (B, 1)
+    positions = torch.zeros_like(step)
+    linears.kernel = FewRowKernel(trials=1)  # a pass per model: the base's pass with x @ Wᵀ, the experts' with W @ xᵀ
+    logits = lm.backend.forward(step, torch.ones_like(step), positions)  # (k+1, B, 1, V)
+    assert {kernel: len(times) for kernel, times in linears.kernel.seconds[2].items()} == {"x_wt": 1, "w_xt": 1}
+    for _ in range(2):  # chosen: every model's pass with one kernel, then the other
+        linears.kernel = FewRowKernel()
+        linears.kernel.chosen[2] = "x_wt" if _ == 0 else "w_xt"
+        again = lm.backend.forward(step, torch.ones_like(step), positions)
+        torch.testing.assert_close(again, logits, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        own = torch.stack([model(step, position_ids=positions).logits for model in models])  # plain F.linear
+    torch.testing.assert_close(own, logits, rtol=1e-5, atol=1e-5)
+
+    lm.generate(ids, mask, max_new_tokens=24, draft="merged", num_draft_tokens=3, adaptive_draft=False)
+    assert ids.shape[0] * 4 in linears.kernel.chosen  # the target's verification passes: B·(K+1) rows
+    assert _replaced([lm.merged_draft()]) == []  # the draft's linears were given back after the call
+    lm.close()
+    assert _replaced(models) == []
+    torch.testing.assert_close(torch.stack([model(step, position_ids=positions).logits for model in models]), own)
