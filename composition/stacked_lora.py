@@ -12,9 +12,11 @@ The products are two `bmm` over the stacked experts when the expert rows are man
 decoding step they are few, and the time goes to the calls, not to the arithmetic: there all experts'
 factors are laid side by side, A = [A_1 | … | A_k] (in, k·r) and B = [B_1; …; B_k] (k·r, out), and
 
-    y[expert rows] += ((x[expert rows] A) ⊙ M) B      (M keeps, in the rows of expert i, its r columns)
+    y += ((x A) ⊙ M) B      (M keeps, in the rows of expert i, its r columns; in the base's rows, none)
 
-which is two plain matrix products and one product with a 0/1 mask, whatever k is.
+which is two plain matrix products and one product with a 0/1 mask, whatever k is; the base's rows add
+exactly zero. Siblings that read one input (q, k, v) share the product x A of all their columns, and
+each one's B has zero rows at its siblings' columns, so a sibling's products are one `addmm_`.
 
 The factors come from the adapters that peft loaded; the LoRA layers are then unloaded
 (`PeftModel.unload`, no merge) so the base model is plain again, and the replaced forwards of the base
@@ -57,28 +59,54 @@ class _Factors:
         self.complete = p == n_experts
         self.group: _SharedInput | None = None
         self.columns = slice(0, a_side.shape[1])  # its columns of `group.a_side`
+        # B over the columns of the hidden product it is given: its own (`b_side`), or, in a group, the group's,
+        # with zero rows where the siblings' columns are (`_SharedInput`).
+        self.b_wide = b_side
 
 
 class _SharedInput:
     """Siblings that read one input: their `a_side` factors side by side in one (in, Σ p·r_m) matrix.
 
-    The first of them to run in a pass computes `(x A) ⊙ M` for all; the others take their columns
-    of it if they are given the very same tensor, unchanged (identity and version), else compute their own."""
+    The first of them to run in a pass computes `(x A) ⊙ M` for all; the others use it if they are given
+    the same input unchanged (`reads`), else compute their own. Each member's `b_wide`
+    (Σ p·r_m, out) holds its `b_side` in its own columns' rows and zeros in its siblings', so that one
+    `addmm_` with the whole product adds its own: no slice of the product, no slice of the output."""
 
     def __init__(self, members: list[_Factors]) -> None:
         self.a_side = torch.cat([member.a_side for member in members], dim=1)
+        total = self.a_side.shape[1]
         start = 0
         for member in members:
             width = member.a_side.shape[1]
             member.columns = slice(start, start + width)
             member.a_side = self.a_side[:, start : start + width]  # a view: the factors are stored once
             member.a_t = member.a_side.view(member.a_side.shape[0], -1, member.rank).permute(1, 0, 2)
+            b_side = member.b_side
+            member.b_wide = b_side.new_zeros(total, b_side.shape[1])
+            member.b_wide[start : start + width] = b_side
+            member.b_side = member.b_wide[start : start + width]  # a view, rows of a contiguous matrix
+            member.b_t = member.b_side.view(-1, member.rank, b_side.shape[1])
             member.group = self
             start += width
         self.members = members
         self.x: torch.Tensor | None = None
         self.version = -1
         self.hidden: torch.Tensor | None = None
+
+    def reads(self, x: torch.Tensor) -> bool:
+        """True if `x` is the input the product was computed from, unchanged: the same memory, layout and version.
+
+        Each linear is given its own view of the input (a reshape), so identity says nothing; the kept view
+        holds that memory, so another tensor cannot have been given its address meanwhile."""
+        kept = self.x
+        return (
+            kept is not None
+            and kept.data_ptr() == x.data_ptr()
+            and kept.shape == x.shape
+            and kept.stride() == x.stride()
+            and kept.dtype == x.dtype
+            and self.version == x._version
+        )
 
     def clear(self) -> None:
         self.x, self.hidden = None, None
@@ -166,7 +194,8 @@ class StackedLoRA:
         n = self.n_components
         rows = x.shape[0] // n  # B·T, the rows of one component
         if factors.complete and (n - 1) * rows <= _FEW_EXPERT_ROWS and x.dtype == factors.a_side.dtype == output.dtype:
-            output[rows:].addmm_(self._side_by_side(x, rows, factors), factors.b_side)
+            # The base rows of the product are zeros: they add exactly 0 to the base's outputs.
+            output.addmm_(self._side_by_side(x, rows, factors), factors.b_wide)
             return output
         xs = x.view(n, rows, x.shape[-1])  # (k+1, B·T, in)
         xe = xs[1:] if factors.complete else xs.index_select(0, factors.index)  # (p, B·T, in)
@@ -179,27 +208,31 @@ class StackedLoRA:
         return output
 
     def _side_by_side(self, x: torch.Tensor, rows: int, factors: _Factors) -> torch.Tensor:
-        """(x[expert rows] A) ⊙ M, (k·B·T, p·r): each expert's rows keep its own r columns (module docstring)."""
+        """(x A) ⊙ M, (N, Σ p·r): each expert's rows keep its own r columns, the base's rows none (module docstring).
+
+        In a group, the product of all siblings' columns (their `b_wide` picks their own)."""
         group = factors.group
         if group is None:
-            hidden = torch.mm(x[rows:], factors.a_side)
+            hidden = torch.mm(x, factors.a_side)
             return hidden.mul_(self._mask(rows, (factors.rank,), factors.index.shape[0], hidden))
-        if group.x is not x or group.version != x._version or group.hidden is None:
-            hidden = torch.mm(x[rows:], group.a_side)
+        if group.hidden is None or not group.reads(x):
+            hidden = torch.mm(x, group.a_side)
             ranks = tuple(member.rank for member in group.members)
             group.hidden = hidden.mul_(self._mask(rows, ranks, factors.index.shape[0], hidden))
             group.x, group.version = x, x._version
-        return group.hidden[:, factors.columns]
+        return group.hidden
 
     def _mask(self, rows: int, ranks: tuple[int, ...], p: int, like: torch.Tensor) -> torch.Tensor:
-        """(p·rows, p·Σ ranks) 0/1: for each module of rank r, expert i's rows keep that module's r columns of i."""
+        """((p+1)·rows, p·Σ ranks) 0/1: the base's rows keep nothing; for each module of rank r, expert i's rows
+        keep that module's r columns of i."""
         key = (rows, ranks, p)
         mask = self._masks.get(key)
         if mask is None or mask.dtype != like.dtype or mask.device != like.device:
             blocks = [
                 torch.block_diag(*[torch.ones(rows, rank, dtype=like.dtype, device=like.device)] * p) for rank in ranks
             ]
-            mask = self._masks[key] = torch.cat(blocks, dim=1)
+            experts = torch.cat(blocks, dim=1)  # (p·rows, p·Σ ranks)
+            mask = self._masks[key] = torch.cat([torch.zeros_like(experts[:rows]), experts])
         return mask
 
     def _hook(

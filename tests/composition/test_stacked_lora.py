@@ -1,0 +1,65 @@
+"""The stacked LoRA products at a decoding step (stacked_lora.py): siblings that read one input share one product.
+
+q, k and v read the same hidden state; each linear gets its own view of it (a reshape), so the product x A
+of all their columns is reused by what the input is (memory, layout, version), not by the view's identity."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from mergecompose.composition import ComposedLM
+from mergecompose.core.tiny import random_llama
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def composition(tiny_config, lora_dirs):
+    lm = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
+    yield lm
+    lm.close()
+
+
+def _products_of_groups(composition, run):
+    """How many times each sibling group's side-by-side A was multiplied while `run()` ran."""
+    groups = composition.backend.stacked._groups
+    counts = [0] * len(groups)
+    real_mm = torch.mm
+
+    def counting_mm(left, right, *args, **kwargs):
+        for index, group in enumerate(groups):
+            if right is group.a_side:
+                counts[index] += 1
+        return real_mm(left, right, *args, **kwargs)
+
+    with mock.patch.object(torch, "mm", counting_mm):
+        run()
+    return counts
+
+
+def test_siblings_share_one_product_a_pass(composition):
+    groups = composition.backend.stacked._groups
+    assert groups  # both adapters put LoRA on q_proj and v_proj: a group per layer
+    step = torch.tensor([[5], [7]])  # (B, 1): a decoding step's rows
+    with torch.no_grad():
+        counts = _products_of_groups(
+            composition, lambda: composition.backend.forward(step, torch.ones_like(step), torch.zeros_like(step))
+        )
+    assert counts == [1] * len(groups)  # one product for q and v, not one each
+
+
+def test_a_changed_input_is_not_reused(composition):
+    """A group's product is kept only for the input it was computed from: another tensor, or the same one
+    changed in place, gets a new product."""
+    group = composition.backend.stacked._groups[0]
+    x = torch.randn(6, group.a_side.shape[0])
+    group.x, group.version = x.reshape(6, -1), x._version
+    assert group.reads(x.reshape(6, -1)) and group.reads(x.view(6, -1))
+    assert not group.reads(x.clone())  # same values, other memory
+    assert not group.reads(x[1:])  # other rows
+    x.add_(1.0)
+    assert not group.reads(x.reshape(6, -1))  # changed in place: its version moved
+    group.clear()
