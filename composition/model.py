@@ -32,6 +32,7 @@ from mergecompose.composition.loading import (
     load_tokenizer,
     names_from_paths,
 )
+from mergecompose.composition.mixed_head import MixedHead, can_mix, compose_mixed, compose_mixed_checked, exponents
 from mergecompose.composition.records import check_saved_tensors_fit, checkpoint_vocabulary, with_vocabulary
 from mergecompose.composition.remedies import compose_with_remedies, step_composer
 from mergecompose.composition.rule import check_weights
@@ -111,6 +112,10 @@ class ComposedLM:
         self._closed = False
         self._merged_drafts: dict[tuple[float, ...], PreTrainedModel] = {}
         self._draft_kernel = FewRowKernel()  # the few-row kernel's choice for the drafts' passes, kept across calls
+        # LoRA experts on one base without remedies: `generate` mixes the last hidden states before the shared output
+        # layer (mixed_head.py), equal to the rule up to float rounding; False computes every component's logits.
+        self.mix_before_head = True
+        self._can_mix: bool | None = None
         # What the last `generate(draft=...)` did (None after a call without a draft).
         self.speculation_stats: SpeculationStats | None = None
 
@@ -395,26 +400,36 @@ class ComposedLM:
         self.speculation_stats = None
         compose = step_composer(self.weights, self.remedies, self.vocab_size, checked=config.do_sample)
         stopping = Stopping(eos_ids, pad_id, criteria)
-        if config.draft is None:
-            return sample(self.backend, compose, prompt, stopping, sampler)
-        draft_model = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
-        draft_backend = SeparateModels([draft_model], self._draft_kernel)
+        backend: Backend = self.backend
+        if isinstance(self.backend, SharedAdapters) and self._mixes_before_head():
+            backend = MixedHead(self.backend, exponents(self.weights, self.num_experts))
+            compose = compose_mixed_checked if config.do_sample else compose_mixed
+        draft_backend = None
         try:
+            if config.draft is None:
+                return sample(backend, compose, prompt, stopping, sampler)
+            draft_model = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
+            draft_backend = SeparateModels([draft_model], self._draft_kernel)
             sequences, self.speculation_stats, invalid = speculative_decode(
-                self.backend,
-                draft_backend,
-                compose,
-                prompt,
-                stopping,
-                sampler,
-                config.draft_tokens,
-                config.adaptive_draft,
+                backend, draft_backend, compose, prompt, stopping, sampler, config.draft_tokens, config.adaptive_draft
             )
         finally:
-            draft_backend.close()  # the draft's linears get their own forwards back
+            if draft_backend is not None:
+                draft_backend.close()  # the draft's linears get their own forwards back
+            if backend is not self.backend:
+                backend.close()  # the output layer's hook
         if invalid:
             raise ValueError(NAN_COMPOSITION)
         return sequences
+
+    def _mixes_before_head(self) -> bool:
+        """Whether `generate` mixes the components' last hidden states before one output layer pass (mixed_head.py):
+        `mix_before_head` on, no remedies, and a backend that allows it (checked once)."""
+        if not self.mix_before_head or self.remedies:
+            return False
+        if self._can_mix is None:
+            self._can_mix = can_mix(self.backend)
+        return self._can_mix
 
     # ------------------------------------------------------------------ drafts
 

@@ -107,8 +107,12 @@ class SharedAdapters:
         position_ids: torch.Tensor,
         cache: Caches | None = None,
         logits_to_keep: int = 0,
+        mixed: bool = False,
     ) -> torch.Tensor:
-        """Return logits (k+1, B, T', V): the batch runs once, replicated per component."""
+        """Return logits (k+1, B, T', V): the batch runs once, replicated per component.
+
+        `mixed`: the output layer's input is mixed to B rows (a hook of `MixedHead`, mixed_head.py); the
+        logits are then (1, B, T', V)."""
         n = len(self.components)
         batch = input_ids.shape[0]
         kwargs = {} if cache is None else {self.cache_kwarg: cache[0], "use_cache": True}
@@ -124,4 +128,4 @@ class SharedAdapters:
                 logits = self.model(**inputs).logits  # ((k+1)·B, T', V)
         else:
             logits = self.model(**inputs, adapter_names=self._adapter_names(batch)).logits
-        return logits.view(n, batch, *logits.shape[1:])  # (k+1, B, T', V)
+        return logits.view(1 if mixed else n, batch, *logits.shape[1:])  # (k+1, B, T', V), or (1, B, T', V) mixed

@@ -1,0 +1,140 @@
+"""The rule before the output layer: with LoRA experts on one base, mix the last hidden states, then one head pass.
+
+When every component ends in the same linear output layer (LoRA experts that leave it alone), its logits are
+z_c = W h_c (+ b), and the rule is linear in them: with the base's exponent 1 − Σ_i w_i and the experts' w_i,
+
+    log p̂ = log_softmax(Σ_c e_c · log_softmax(z_c)) = log_softmax(Σ_c e_c · z_c) = log_softmax(W Σ_c e_c h_c + b)
+
+since each log_softmax only subtracts a constant per row, and Σ_c e_c = 1 carries the bias. So a pass mixes
+the k+1 rows of each position's final hidden state and runs the output layer over B rows instead of (k+1)·B,
+and no component's log-softmax over V is taken. This equals the rule (rule.py) up to float rounding where every
+component's log-probs lie above the rule's floor (−1e4), as a real model's finite logits do; it is used only
+without remedies (they need each component's distribution), and only where the model's logits are its output
+layer's output, unchanged (`head_is_last`: no soft-capping or scaling after it, e.g. Gemma-2's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from mergecompose.composition.backend import Caches
+from mergecompose.composition.rule import check_scores
+from mergecompose.composition.shared_adapters import SharedAdapters
+
+
+def exponents(weights: Sequence[float] | None, num_experts: int) -> list[float]:
+    """The rule's exponent of each component, base first: `[1 − Σ w_i, w_1, …, w_k]` (every w_i 1 by default)."""
+    expert_weights = [1.0] * num_experts if weights is None else [float(weight) for weight in weights]
+    return [1.0 - sum(expert_weights), *expert_weights]
+
+
+def head_is_last(model: PreTrainedModel) -> bool:
+    """True if `model`'s logits are its output layer's output as it is, checked on one token.
+
+    A forward hook keeps the output layer's output; a model that changes the logits after it (soft-capping,
+    a scale) or has no output layer module gives False."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        return False
+    seen: list[torch.Tensor] = []
+    handle = head.register_forward_hook(lambda module, args, output: seen.append(output))
+    try:
+        with torch.no_grad():
+            token = torch.zeros((1, 1), dtype=torch.long, device=head.weight.device)
+            logits = model(input_ids=token, use_cache=False).logits
+    finally:
+        handle.remove()
+    return len(seen) == 1 and logits.shape == seen[0].shape and torch.equal(logits, seen[0])
+
+
+def can_mix(backend: object) -> bool:
+    """True if `backend` runs LoRA experts with stacked products, none of them on the output layer, and the
+    model's logits are that layer's output (`head_is_last`)."""
+    if not isinstance(backend, SharedAdapters) or backend.stacked is None:
+        return False
+    head = backend.base_model.get_output_embeddings()
+    paths = {module: path for path, module in backend.base_model.named_modules()}
+    if head is None or paths.get(head) in backend.stacked.factors:
+        return False
+    return head_is_last(backend.base_model)
+
+
+class MixedHead:
+    """A `SharedAdapters` backend whose passes give the composed logits `(1, B, T', V)` (module docstring).
+
+    A forward pre-hook on the output layer, on only during this backend's passes, replaces its input
+    `((k+1)·B, T', H)` by `Σ_c e_c h_c` `(B, T', H)`, mixed in float32. Everything else is the backend's."""
+
+    def __init__(self, backend: SharedAdapters, component_exponents: Sequence[float]) -> None:
+        self.backend = backend
+        head = backend.base_model.get_output_embeddings()
+        self._exponents = torch.tensor(list(component_exponents), dtype=torch.float32, device=backend.device)
+        self._on = False
+        self._handle = head.register_forward_pre_hook(self._mix)
+
+    def _mix(self, module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+        if not self._on:
+            return None
+        hidden = args[0]  # ((k+1)·B, T', H)
+        n = self._exponents.shape[0]
+        stacked = hidden.view(n, hidden.shape[0] // n, *hidden.shape[1:]).float()  # (k+1, B, T', H)
+        mixed = torch.tensordot(self._exponents, stacked, dims=1)  # (B, T', H)
+        return (mixed.to(hidden.dtype), *args[1:])
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def base_model(self) -> PreTrainedModel:
+        return self.backend.base_model
+
+    @property
+    def models(self) -> list[PreTrainedModel]:
+        return self.backend.models
+
+    @property
+    def shares_one_base(self) -> bool:
+        return True
+
+    def new_cache(self, length: int | None = None) -> Caches:
+        return self.backend.new_cache(length)
+
+    def keep_rows(self, caches: Caches, rows: torch.Tensor, batch: int) -> None:
+        self.backend.keep_rows(caches, rows, batch)
+
+    def merged_draft(self, lambdas: Sequence[float]) -> PreTrainedModel:
+        return self.backend.merged_draft(lambdas)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache: Caches | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """The composed logits `(1, B, T', V)`: one "component", the mixture."""
+        self._on = True
+        try:
+            return self.backend.forward(input_ids, attention_mask, position_ids, cache, logits_to_keep, mixed=True)
+        finally:
+            self._on = False
+
+    def close(self) -> None:
+        """Remove the hook (the backend stays open: it belongs to its ComposedLM); idempotent."""
+        self._handle.remove()
+
+
+def compose_mixed(logits: torch.Tensor) -> torch.Tensor:
+    """`(1, ..., V)` logits of the mixed hidden state -> `(..., V)` float32 composed log-probs (module docstring)."""
+    return torch.log_softmax(logits[0].float(), dim=-1)
+
+
+def compose_mixed_checked(logits: torch.Tensor) -> torch.Tensor:
+    """`compose_mixed`, refusing NaN and +inf in the logits first (for sampling: NaN must not reach the sampler)."""
+    check_scores(logits, "the mixed components' logits")
+    return compose_mixed(logits)
