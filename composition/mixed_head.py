@@ -32,7 +32,8 @@ def exponents(weights: Sequence[float] | None, num_experts: int) -> list[float]:
 
 
 def head_is_last(model: PreTrainedModel) -> bool:
-    """True if `model`'s logits are its output layer's output as it is, checked on one token.
+    """True if `model`'s logits are its output layer's output as it is, checked on a few tokens (ids 1-3: id 0
+    is often padding, whose embedding can be zero and its logits too, whatever comes after the layer).
 
     A forward hook keeps the output layer's output; a model that changes the logits after it (soft-capping,
     a scale) or has no output layer module gives False."""
@@ -43,8 +44,8 @@ def head_is_last(model: PreTrainedModel) -> bool:
     handle = head.register_forward_hook(lambda module, args, output: seen.append(output))
     try:
         with torch.no_grad():
-            token = torch.zeros((1, 1), dtype=torch.long, device=head.weight.device)
-            logits = model(input_ids=token, use_cache=False).logits
+            tokens = torch.arange(1, 4, device=head.weight.device).clamp(max=head.weight.shape[0] - 1)[None]  # (1, 3)
+            logits = model(input_ids=tokens, use_cache=False).logits
     finally:
         handle.remove()
     return len(seen) == 1 and logits.shape == seen[0].shape and torch.equal(logits, seen[0])
