@@ -19,6 +19,7 @@ import contextlib
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,9 @@ class FewRowKernel:
     later passes take the one with the smaller best time (module docstring)."""
 
     KERNELS = ("x_wt", "w_xt")
+    # Trial passes recorded in this process, by every instance: a loop that times its own rounds (speculative
+    # decoding's adaptive K) leaves a round with a trial in it untimed.
+    trial_passes = 0
 
     def __init__(self, trials: int = 2) -> None:
         self.trials = trials
@@ -60,6 +64,7 @@ class FewRowKernel:
         """A trial pass's time; after `trials` passes of each kernel, the one with the smaller best time is chosen."""
         timed = self.seconds.setdefault(rows, {name: [] for name in self.KERNELS})
         timed[kernel].append(seconds)
+        FewRowKernel.trial_passes += 1
         if all(len(times) >= self.trials for times in timed.values()):
             self.chosen[rows] = min(self.KERNELS, key=lambda name: min(timed[name]))
 
@@ -107,24 +112,27 @@ class FewRowLinears:
 
     def _forward(self, addition: Addition | None) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
         def forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            parameters = module._parameters  # what `module.weight` reads, without nn.Module.__getattr__
+            weight, bias = cast(torch.Tensor, parameters["weight"]), parameters["bias"]
             if not self._on:
-                return F.linear(x, module.weight, module.bias)
+                return F.linear(x, weight, bias)
             rows = x.reshape(-1, x.shape[-1])  # (N, in)
             count = rows.shape[0]
-            if self._pass is None:  # the pass's first linear sets its row count and kernel
+            current = self._pass
+            if current is None:  # the pass's first linear sets its row count and kernel
                 tuned = count in TUNED_ROWS and rows.device.type == "cpu"
                 kernel = self.kernel.kernel(count) if tuned else "x_wt"
-                self._pass = (count, kernel, tuned and self.kernel.timing(count))
+                current = self._pass = (count, kernel, tuned and self.kernel.timing(count))
             kernel, timing = "x_wt", False
-            if self._pass[0] == count:  # (an output layer over fewer rows than a prompt pass keeps x @ Wᵀ)
-                _, kernel, timing = self._pass
+            if current[0] == count:  # (an output layer over fewer rows than a prompt pass keeps x @ Wᵀ)
+                _, kernel, timing = current
             started = time.perf_counter() if timing else 0.0
             if kernel == "w_xt":
-                output = torch.mm(module.weight, rows.T).T.contiguous()  # (N, out)
-                if module.bias is not None:
-                    output = output + module.bias
+                output = torch.mm(weight, rows.T).T.contiguous()  # (N, out)
+                if bias is not None:
+                    output = output + bias
             else:
-                output = F.linear(rows, module.weight, module.bias)  # (N, out)
+                output = F.linear(rows, weight, bias)  # (N, out)
             if timing:
                 self._pass_seconds += time.perf_counter() - started
             if addition is not None:

@@ -24,6 +24,7 @@ from mergecompose.composition.acceptance import greedy_accepted, outcome_probabi
 from mergecompose.composition.architecture import bias_dtype, has_sliding_window
 from mergecompose.composition.backend import Backend, Caches
 from mergecompose.composition.draft_length import DraftLength
+from mergecompose.composition.few_rows import FewRowKernel
 from mergecompose.composition.inputs import Prompt
 from mergecompose.composition.sampling import Compose, Sampler
 from mergecompose.composition.stops import StopCriteria, Stopping
@@ -117,6 +118,7 @@ def speculative_decode(
         count = min(lengths.next(), remaining - 1)
         start = state.columns.used  # the round's first draft column
         unseen = start - state.draft.cached  # columns the draft has to catch up with before drafting
+        trials_before = FewRowKernel.trial_passes
         tested, accepted_before, began = state.stats.tested, state.stats.accepted, time.perf_counter()
         if count == 0:
             remaining = state.plain_step()  # reads from the device: the round is done
@@ -126,7 +128,9 @@ def speculative_decode(
             outcome = state.emit(start, accepted, next_tokens)  # reads from the device: the round is done
             remaining = outcome.remaining
         seconds = time.perf_counter() - began
-        timed = count == 0 or unseen <= 3
+        # Not timed: a round whose draft caught up with many tokens, or with a pass that tried a few-row kernel
+        # (few_rows.py; a trial of the slower kernel can cost several plain passes and would set t_d for long).
+        timed = (count == 0 or unseen <= 3) and FewRowKernel.trial_passes == trials_before
         tests = state.stats.tested - tested
         lengths.update(count, state.stats.accepted - accepted_before, tests, seconds if timed else None)
         if remaining == 0:

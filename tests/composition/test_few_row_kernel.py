@@ -5,6 +5,8 @@ logits within float32 rounding, and one left to choose has chosen for its decodi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -90,3 +92,23 @@ def test_full_experts_use_either_kernel_and_get_their_linears_back(tiny_config):
     lm.close()
     assert _replaced(models) == []
     torch.testing.assert_close(torch.stack([model(step, position_ids=positions).logits for model in models]), own)
+
+
+def test_a_speculative_round_with_a_kernel_trial_is_not_timed(tiny_config, monkeypatch):
+    """A trial of the slower few-row kernel can cost several plain passes; the adaptive K must not take the draft's
+    cost from such a round, or an exact draft is dropped for plain steps (speculative.py)."""
+    models = [random_llama(tiny_config, seed=0) for _ in range(3)]  # experts equal to the base: an exact draft
+    lm = ComposedLM(models[0], models[1:])
+    record = FewRowKernel.record
+
+    def slow_trial(self, rows, kernel, seconds):
+        time.sleep(0.05)  # called at the end of the trial pass: inside the round's time
+        record(self, rows, kernel, seconds)
+
+    monkeypatch.setattr(FewRowKernel, "record", slow_trial)
+    before = FewRowKernel.trial_passes
+    lm.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=40, draft="merged", num_draft_tokens=3)
+    stats = lm.speculation_stats
+    assert FewRowKernel.trial_passes > before  # the rounds did run trials
+    assert stats.accepted == stats.tested > 0
+    assert stats.plain_rounds <= 2, stats  # the second round is a plain step by design (draft_length.py)
