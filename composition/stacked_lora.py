@@ -145,8 +145,9 @@ class StackedLoRA:
             if any(self.adapter_names[i] in module.lora_variant for i in present):
                 raise StackedLoRAUnsupported(f"module `{path}` uses a LoRA variant (e.g. DoRA)")
             stacked[path] = self._stack(module, [self.adapter_names[i] for i in present], present)
-        self.factors: dict[str, Factors] = {path: (f.a_t, f.b_t) for path, f in stacked.items()}
         self._groups = _same_input_groups(stacked)
+        # After grouping: a group's members are views of its matrices, and the ungrouped copies are freed.
+        self.factors: dict[str, Factors] = {path: (f.a_t, f.b_t) for path, f in stacked.items()}
         self._masks: dict[tuple[int, tuple[int, ...], int], torch.Tensor] = {}
         self.model = peft_model.unload()  # the base model with its original layers, unmerged
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
