@@ -90,17 +90,20 @@ class _SharedInput:
             start += width
         self.members = members
         self.x: torch.Tensor | None = None
-        self.version = -1
+        self.version: int | None = None  # None: not known (no input yet, or an inference tensor)
         self.hidden: torch.Tensor | None = None
 
     def reads(self, x: torch.Tensor) -> bool:
         """True if `x` is the input the product was computed from, unchanged: the same memory, layout and version.
 
         Each linear is given its own view of the input (a reshape), so identity says nothing; the kept view
-        holds that memory, so another tensor cannot have been given its address meanwhile."""
+        holds that memory, so another tensor cannot have been given its address meanwhile. An inference tensor
+        (made under `torch.inference_mode`) has no version counter: an in-place change to it could not be
+        seen, so its product is never reused (each sibling computes its own)."""
         kept = self.x
         return (
             kept is not None
+            and self.version is not None
             and kept.data_ptr() == x.data_ptr()
             and kept.shape == x.shape
             and kept.stride() == x.stride()
@@ -220,7 +223,7 @@ class StackedLoRA:
             hidden = torch.mm(x, group.a_side)
             ranks = tuple(member.rank for member in group.members)
             group.hidden = hidden.mul_(self._mask(rows, ranks, factors.index.shape[0], hidden))
-            group.x, group.version = x, x._version
+            group.x, group.version = x, None if x.is_inference() else x._version
         return group.hidden
 
     def _mask(self, rows: int, ranks: tuple[int, ...], p: int, like: torch.Tensor) -> torch.Tensor:

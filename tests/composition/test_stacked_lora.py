@@ -63,3 +63,27 @@ def test_a_changed_input_is_not_reused(composition):
     x.add_(1.0)
     assert not group.reads(x.reshape(6, -1))  # changed in place: its version moved
     group.clear()
+
+
+def test_decoding_under_inference_mode_equals_no_grad(composition):
+    """Tensors made under torch.inference_mode have no version counter: the stacked path still decodes, the same
+    tokens as under no_grad, and computes each sibling's product itself rather than reuse one it cannot check."""
+    ids = torch.tensor([[5, 9, 3, 4], [7, 2, 8, 6]])
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = composition.generate(ids, mask, max_new_tokens=6)
+    with torch.inference_mode():
+        got = composition.generate(ids, mask, max_new_tokens=6)
+        step = torch.tensor([[5], [7]])
+        counts = _products_of_groups(
+            composition, lambda: composition.backend.forward(step, torch.ones_like(step), torch.zeros_like(step))
+        )
+    assert torch.equal(got, expected)
+    members = [len(group.members) for group in composition.backend.stacked._groups]
+    assert counts == members  # one product per sibling: none reused
+    group = composition.backend.stacked._groups[0]
+    with torch.inference_mode():
+        x = torch.randn(6, group.a_side.shape[0])
+    group.x, group.version = x, None
+    assert not group.reads(x)  # the very same tensor: its version cannot be checked
+    group.clear()
