@@ -162,8 +162,9 @@ class StackedLoRA:
                 linears.append((module, addition))
             elif path in stacked:  # e.g. GPT-2's Conv1D: keep its forward, add the products after it
                 self._handles.append(module.register_forward_hook(self._hook(stacked[path])))
-        # The shared base's linears run over (k+1)·B rows at a decoding step: the few-row kernel (few_rows.py).
-        self.linears = FewRowLinears(linears)
+        # The shared base's linears run over (k+1)·B rows at a decoding step: their weights packed where oneDNN
+        # can (the base's own bytes, reordered in place until `close()`), else the few-row kernel (few_rows.py).
+        self.linears = FewRowLinears(linears, pack_model=self.model, pack_rows=self.n_components)
 
     @property
     def few_rows(self) -> FewRowKernel:

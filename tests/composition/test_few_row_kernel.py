@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from mergecompose.composition import ComposedLM
+from mergecompose.composition import ComposedLM, few_rows
 from mergecompose.composition.few_rows import FewRowKernel
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 
@@ -40,7 +40,10 @@ def test_the_smaller_best_time_wins_over_one_slow_trial():
 
 @pytest.fixture(scope="module")
 def lora_composition(tiny_config, lora_dirs):
-    return ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
+    """The base's linears left dense (not packed), so that every pass uses the kernel chosen for it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(few_rows, "can_pack", lambda weight: False)
+        return ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
 
 
 def test_either_kernel_gives_the_same_logits_and_the_composition_chooses(lora_composition):

@@ -1,0 +1,90 @@
+"""The shared base's linears with oneDNN-packed weights (few_rows.py): same results, same memory, given back.
+
+While a stacked LoRA composition is open, its base's decoder linears hold their weights in oneDNN's packed layout
+and their parameters hold empty tensors. These tests pin what a user of the base can rely on meanwhile and after."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mergecompose.composition import ComposedLM, few_rows
+from mergecompose.composition.few_rows import PACKED
+from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN"),
+]
+
+
+def _adapters(lora_dirs):
+    return {name: str(folder) for name, folder in lora_dirs.items()}
+
+
+def _packed_modules(model):
+    return [name for name, module in model.named_modules() if PACKED in module.__dict__]
+
+
+def test_packed_composition_decodes_as_the_dense_one(tiny_config, lora_dirs, monkeypatch):
+    ids, mask = left_padded_batch([6, 4], seed=7)
+    packed = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), _adapters(lora_dirs))
+    with monkeypatch.context() as patch:
+        patch.setattr(few_rows, "can_pack", lambda weight: False)
+        dense = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), _adapters(lora_dirs))
+    assert _packed_modules(packed.backend.model) and not _packed_modules(dense.backend.model)
+    # 2 layers x 7 projections; the output layer stays dense (its shape is the vocabulary).
+    assert len(_packed_modules(packed.backend.model)) == 14
+    torch.testing.assert_close(packed.logprobs(ids, mask), dense.logprobs(ids, mask), rtol=0, atol=1e-5)
+    kwargs = dict(max_new_tokens=8, eos_token_id=EOS, pad_token_id=PAD)
+    assert torch.equal(packed.generate(ids, mask, **kwargs), dense.generate(ids, mask, **kwargs))
+
+
+def test_the_base_gets_its_weights_back_bit_for_bit(tiny_config, lora_dirs):
+    base = random_llama(tiny_config, seed=0)
+    before = {name: (parameter, parameter.detach().clone()) for name, parameter in base.named_parameters()}
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    q_proj = base.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.numel() == 0  # the dense bytes are freed while packed
+    # state_dict() meanwhile gives the dense weights, equal to the originals.
+    state = base.state_dict()
+    for name, (_, value) in before.items():
+        assert torch.equal(state[name], value), name
+    composed.close()
+    assert not _packed_modules(base)
+    for name, parameter in base.named_parameters():
+        original, value = before[name]
+        assert parameter is original and torch.equal(parameter, value), name
+
+
+def test_a_deep_copy_made_while_packed_computes_on_its_own(tiny_config, lora_dirs):
+    base = random_llama(tiny_config, seed=0)
+    reference = random_llama(tiny_config, seed=0)
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    copied = copy.deepcopy(base)
+    composed.close()
+    ids = torch.tensor([[4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(copied(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+        copied.model.layers[0].mlp.down_proj.__dict__[PACKED].tensor = torch.ops.mkldnn._reorder_linear_weight(
+            torch.zeros(tiny_config.hidden_size, tiny_config.intermediate_size), 1
+        )
+        assert (copied(ids).logits - reference(ids).logits).abs().max() > 1e-3  # the copy's own weights serve it
+        torch.testing.assert_close(base(ids).logits, reference(ids).logits, rtol=0, atol=0)  # the original is back
+
+
+def test_a_forward_that_needs_gradients_gets_them(tiny_config, lora_dirs):
+    """oneDNN's packed product has no autograd formula: a forward with gradients uses the dense weight."""
+    base = random_llama(tiny_config, seed=0)
+    reference = random_llama(tiny_config, seed=0)
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    q_proj, expected = base.model.layers[0].self_attn.q_proj, reference.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, tiny_config.hidden_size, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    q_proj(x).square().sum().backward()
+    expected(x_ref).square().sum().backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=1e-5)
+    composed.close()
