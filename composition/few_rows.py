@@ -29,6 +29,10 @@ under autocast or gets another dtype multiplies by the dense weight, unpacked fo
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
+import os
+import sys
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -173,6 +177,7 @@ class FewRowLinears:
 
     def _pack(self, module: torch.nn.Module, weight: torch.nn.Parameter, rows: int) -> None:
         module.__dict__[PACKED] = Packed(weight.data, rows)
+        _release_pages(weight)
         weight.data = weight.data.new_empty(0)  # the dense bytes are freed; the parameter stays the same object
         handle = module.register_state_dict_post_hook(_dense_in_state_dict)
         self._packed.append((module, weight, handle))
@@ -305,6 +310,38 @@ def _x_wt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _release_pages(weight: torch.Tensor) -> None:
+    """Give the pages of `weight`'s bytes back to the system now, where nothing else holds them (Linux).
+
+    A checkpoint loaded from safetensors keeps its tensors in a file mapping, whose pages stay resident when a
+    tensor is dropped; `madvise(MADV_DONTNEED)` on the pages that hold only this tensor's bytes releases them
+    (a private file mapping refills a page from the file if it is read again; nothing reads these). Skipped
+    where another tensor shares the storage, or the call is not available."""
+    if not sys.platform.startswith("linux"):
+        return
+    storage = weight.untyped_storage()
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    # Two uses: the parameter's tensor and `storage` here. More: an alias somewhere else still reads the bytes.
+    if use_count is None or use_count(storage._cdata) > 2:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-storage.data_ptr() // page) * page  # whole pages inside the tensor's bytes only
+    end = (storage.data_ptr() + storage.nbytes()) // page * page
+    if end > start:
+        _libc().madvise(start, end - start, _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
 
 
 def _weights_held_once(model: torch.nn.Module) -> set[int]:
