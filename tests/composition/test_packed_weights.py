@@ -6,6 +6,7 @@ and their parameters hold empty tensors. These tests pin what a user of the base
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -98,3 +99,16 @@ def test_a_weight_held_elsewhere_keeps_its_bytes(tiny_config, lora_dirs):
     composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
     assert torch.equal(alias, expected)
     composed.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are released on Linux only")
+def test_pages_are_released_only_where_nothing_else_holds_them():
+    held = torch.ones(1 << 20)  # 4 MiB: many whole pages
+    alias = held.view(-1)
+    few_rows._release_pages(held)
+    assert bool((alias == 1).all())  # shared: left alone
+    del alias
+    alone = torch.ones(1 << 20)
+    few_rows._release_pages(alone)
+    # Anonymous memory comes back as zeros: the pages were given back (nothing reads them in real use).
+    assert float(alone.sum()) < alone.numel()
