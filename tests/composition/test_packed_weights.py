@@ -112,29 +112,3 @@ def test_pages_are_released_only_where_nothing_else_holds_them():
     few_rows._release_pages(alone)
     # Anonymous memory comes back as zeros: the pages were given back (nothing reads them in real use).
     assert float(alone.sum()) < alone.numel()
-
-
-def test_siblings_share_one_packed_product_taken_once_each(tiny_config, lora_dirs):
-    """q, k and v (and gate and up) are packed as one matrix: the first of them computes the product for all;
-    each takes its columns of it once (a second call with the same input computes anew: a LoRA product added in
-    place to a sibling's columns is never added twice)."""
-    base = random_llama(tiny_config, seed=0)
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
-    attention, mlp = base.model.layers[0].self_attn, base.model.layers[0].mlp
-    q, k, v = (module.__dict__[PACKED] for module in (attention.q_proj, attention.k_proj, attention.v_proj))
-    assert q.group is k.group is v.group and mlp.gate_proj.__dict__[PACKED].group is mlp.up_proj.__dict__[PACKED].group
-    group = q.group
-    x = torch.randn(3, tiny_config.hidden_size)
-    first = group.product(x, 0)
-    assert group.product(x, 1) is first and group.product(x, 2) is first
-    again = group.product(x, 0)
-    assert again is not first
-    torch.testing.assert_close(again, first, rtol=0, atol=0)
-    x.add_(1.0)
-    assert group.product(x, 1) is not again  # changed in place: computed anew
-    reference = random_llama(tiny_config, seed=0).model.layers[0].self_attn
-    ids = torch.randn(2, 3, tiny_config.hidden_size)
-    with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj"):
-            torch.testing.assert_close(getattr(attention, name)(ids), getattr(reference, name)(ids), rtol=0, atol=1e-5)
-    composed.close()
