@@ -21,7 +21,8 @@ for W @ xᵀ and 52 ms for F.linear over 1 row, and less at every row count up t
 `FewRowLinears` packs the weights of its linears in place: each module's weight parameter keeps its
 identity but holds an empty tensor while the packed copy (the same bytes, reordered) serves every forward,
 so memory does not grow. `close()` puts the dense weight back, bit for bit; `state_dict()` meanwhile gives
-the dense weight, and a deep copy packs its own. The output layer, a weight that another module also holds
+the dense weight, a deep copy packs its own, and `load_state_dict` makes the module dense again with what it
+loads (which `close()` then keeps). The output layer, a weight that another module also holds
 (tied embeddings), or one that is not a float32 CPU matrix stays dense; a forward that needs gradients, runs
 under autocast or gets another dtype multiplies by the dense weight, unpacked for that call.
 """
@@ -86,6 +87,14 @@ def _dense_in_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str,
     packed = module.__dict__.get(PACKED)
     if packed is not None and prefix + "weight" in state_dict:
         state_dict[prefix + "weight"] = packed.dense()
+
+
+def _unpack_before_loading(module: torch.nn.Module, *_: object) -> None:
+    """A load-state-dict pre-hook: a packed module gets its dense weight back, which the load then overwrites
+    (a deep copy made while a composition is open, as `TaskVector.apply_to` makes, loads its new weights)."""
+    packed = module.__dict__.pop(PACKED, None)
+    if packed is not None:
+        module._parameters["weight"].data = packed.dense()  # type: ignore[union-attr]
 
 
 class FewRowKernel:
@@ -155,8 +164,8 @@ class FewRowLinears:
         self._pass_timed = 0  # the linears timed in it
         # (module, its instance-level forward before ours or None), for `close()`.
         self._patched: list[tuple[torch.nn.Module, Callable[..., torch.Tensor] | None]] = []
-        # (module, its weight parameter, the state-dict hook's handle) of every packed module, for `close()`.
-        self._packed: list[tuple[torch.nn.Module, torch.nn.Parameter, torch.utils.hooks.RemovableHandle]] = []
+        # (module, its weight parameter, the state-dict hooks' handles) of every packed module, for `close()`.
+        self._packed: list[tuple[torch.nn.Module, torch.nn.Parameter, list[torch.utils.hooks.RemovableHandle]]] = []
         held = _weights_held_once(pack_model) if pack_model is not None else set()
         if isinstance(pack_model, PreTrainedModel) and isinstance(pack_model.get_output_embeddings(), torch.nn.Module):
             # The output layer stays dense: its weight's shape is the vocabulary that callers read, and over the
@@ -179,8 +188,11 @@ class FewRowLinears:
         module.__dict__[PACKED] = Packed(weight.data, rows)
         _release_pages(weight)
         weight.data = weight.data.new_empty(0)  # the dense bytes are freed; the parameter stays the same object
-        handle = module.register_state_dict_post_hook(_dense_in_state_dict)
-        self._packed.append((module, weight, handle))
+        handles = [
+            module.register_state_dict_post_hook(_dense_in_state_dict),
+            module.register_load_state_dict_pre_hook(_unpack_before_loading),
+        ]
+        self._packed.append((module, weight, handles))
 
     @classmethod
     def of_models(cls, models: Iterable[torch.nn.Module], kernel: FewRowKernel | None = None) -> FewRowLinears:
@@ -280,9 +292,12 @@ class FewRowLinears:
 
     def close(self) -> None:
         """Give every patched module its previous forward and its dense weight back; idempotent."""
-        for module, weight, handle in reversed(self._packed):
-            weight.data = module.__dict__.pop(PACKED).dense()
-            handle.remove()
+        for module, weight, handles in reversed(self._packed):
+            packed = module.__dict__.pop(PACKED, None)
+            if packed is not None:  # (a module that loaded a state dict meanwhile keeps what it loaded)
+                weight.data = packed.dense()
+            for handle in handles:
+                handle.remove()
         self._packed = []
         for module, previous in reversed(self._patched):
             if previous is None:

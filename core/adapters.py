@@ -84,17 +84,21 @@ def check_adapter_fits(
         weight = getattr(module, "weight", None)
         if weight is None:
             continue
-        out_features, in_features = weight.shape[0], weight.shape[-1]
+        shape = tuple(weight.shape)
+        if isinstance(module, torch.nn.Linear):
+            # Its declared shape: a composition that is open on this base holds the weight packed, the
+            # parameter empty (mergecompose.composition.few_rows).
+            shape = (module.out_features, module.in_features)
+        out_features, in_features = shape[0], shape[-1]
         # Embeddings and transformers' Conv1D (GPT-2) store their weight as (in, out).
         if type(module).__name__ in ("Embedding", "Conv1D") or isinstance(module, torch.nn.Embedding):
-            in_features, out_features = weight.shape[0], weight.shape[1]
+            in_features, out_features = shape[0], shape[1]
         expected = in_features if match["part"] == "A" else out_features
         got = tensor.shape[-1] if match["part"] == "A" else tensor.shape[0]
         if got != expected:
             raise ValueError(
                 f"adapter `{name}` was made for another base: its `{key}` has shape "
-                f"{tuple(tensor.shape)}, but the base's `{module_path}.weight` has shape "
-                f"{tuple(weight.shape)}"
+                f"{tuple(tensor.shape)}, but the base's `{module_path}.weight` has shape {shape}"
             )
 
 

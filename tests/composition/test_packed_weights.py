@@ -112,3 +112,36 @@ def test_pages_are_released_only_where_nothing_else_holds_them():
     few_rows._release_pages(alone)
     # Anonymous memory comes back as zeros: the pages were given back (nothing reads them in real use).
     assert float(alone.sum()) < alone.numel()
+
+
+def test_the_merging_api_reads_and_copies_a_base_held_packed(tiny_config, lora_dirs):
+    """A user who merges from the base a composition holds gets what the dense base gives."""
+    from mergecompose.merging import TaskVector
+
+    base = random_llama(tiny_config, seed=0)
+    reference = random_llama(tiny_config, seed=0)
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    assert _packed_modules(base)
+    tau = TaskVector.from_lora(base, lora_dirs["cd"])
+    expected = TaskVector.from_lora(reference, lora_dirs["cd"])
+    assert tau.tensors.keys() == expected.tensors.keys()
+    for name, tensor in expected.tensors.items():
+        assert torch.equal(tau.tensors[name], tensor), name
+    merged, merged_reference = tau.apply_to(base), expected.apply_to(reference)
+    assert not _packed_modules(merged)  # loading its new weights made the copy dense
+    ids = torch.tensor([[4, 5, 6, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, merged_reference(ids).logits, rtol=0, atol=1e-5)
+    assert _packed_modules(base)  # the original is still the composition's
+    composed.close()
+
+
+def test_a_state_dict_loaded_while_packed_is_kept_at_close(tiny_config, lora_dirs):
+    base = random_llama(tiny_config, seed=0)
+    other = random_llama(tiny_config, seed=1)
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    base.load_state_dict(other.state_dict())
+    assert not _packed_modules(base)
+    composed.close()
+    for name, tensor in other.state_dict().items():
+        assert torch.equal(base.state_dict()[name], tensor), name
