@@ -140,8 +140,11 @@ class ComposedLM:
         No copy of the base weights is made: `base_model` itself is changed in place (with
         "stacked", the forward of each of its `nn.Linear` is replaced by one that adds the LoRA
         products inside this object's forward passes only; with "peft", LoRA layers are injected
-        into it), frozen and put in eval mode. `close()` (or leaving a `with` block) undoes all
-        of it: same modules, parameters, flags and outputs as before. `lora_implementation` picks
+        into it), frozen and put in eval mode. With "stacked" on a CPU, the float32 weights of its
+        decoder linears are meanwhile held in oneDNN's packed layout (few_rows.py): the parameters
+        keep their identity but hold empty tensors, `state_dict()` gives the dense weights. `close()`
+        (or leaving a `with` block) undoes all of it: same modules, parameters, flags and outputs as
+        before, the weights bit for bit. `lora_implementation` picks
         how the experts run in one batched pass (see `SharedAdapters`); "stacked" falls back to
         "peft" for what it does not support (DoRA, LoRA on embeddings).
 
