@@ -14,6 +14,7 @@ import torch
 from mergecompose.composition import ComposedLM, few_rows
 from mergecompose.composition.few_rows import PACKED
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
+from mergecompose.merging import TaskVector
 
 pytestmark = [
     pytest.mark.usefixtures("one_torch_thread"),
@@ -116,8 +117,6 @@ def test_pages_are_released_only_where_nothing_else_holds_them():
 
 def test_the_merging_api_reads_and_copies_a_base_held_packed(tiny_config, lora_dirs):
     """A user who merges from the base a composition holds gets what the dense base gives."""
-    from mergecompose.merging import TaskVector
-
     base = random_llama(tiny_config, seed=0)
     reference = random_llama(tiny_config, seed=0)
     composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
