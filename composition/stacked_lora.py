@@ -16,7 +16,7 @@ factors are laid side by side, A = [A_1 | … | A_k] (in, k·r) and B = [B_1; �
 
 which is two plain matrix products and one product with a 0/1 mask, whatever k is; the base's rows add
 exactly zero. Siblings that read one input (q, k, v) share the product x A of all their columns, and
-each one's B has zero rows at its siblings' columns, so a sibling's products are one `addmm_`.
+each one multiplies its own columns of it (a strided view, no copy) by its own B in one `addmm_`.
 
 The factors come from the adapters that peft loaded; the LoRA layers are then unloaded
 (`PeftModel.unload`, no merge) so the base model is plain again, and the replaced forwards of the base
@@ -59,33 +59,24 @@ class _Factors:
         self.complete = p == n_experts
         self.group: _SharedInput | None = None
         self.columns = slice(0, a_side.shape[1])  # its columns of `group.a_side`
-        # B over the columns of the hidden product it is given: its own (`b_side`), or, in a group, the group's,
-        # with zero rows where the siblings' columns are (`_SharedInput`).
-        self.b_wide = b_side
 
 
 class _SharedInput:
     """Siblings that read one input: their `a_side` factors side by side in one (in, Σ p·r_m) matrix.
 
     The first of them to run in a pass computes `(x A) ⊙ M` for all; the others use it if they are given
-    the same input unchanged (`reads`), else compute their own. Each member's `b_wide`
-    (Σ p·r_m, out) holds its `b_side` in its own columns' rows and zeros in its siblings', so that one
-    `addmm_` with the whole product adds its own: no slice of the product, no slice of the output."""
+    the same input unchanged (`reads`), else compute their own. Each member multiplies its own `columns` of
+    the product by its own `b_side`: no zero rows for the siblings' columns, which would be read at every
+    step for nothing (at a decoding step these products are bound by reading the factors)."""
 
     def __init__(self, members: list[_Factors]) -> None:
         self.a_side = torch.cat([member.a_side for member in members], dim=1)
-        total = self.a_side.shape[1]
         start = 0
         for member in members:
             width = member.a_side.shape[1]
             member.columns = slice(start, start + width)
             member.a_side = self.a_side[:, start : start + width]  # a view: the factors are stored once
             member.a_t = member.a_side.view(member.a_side.shape[0], -1, member.rank).permute(1, 0, 2)
-            b_side = member.b_side
-            member.b_wide = b_side.new_zeros(total, b_side.shape[1])
-            member.b_wide[start : start + width] = b_side
-            member.b_side = member.b_wide[start : start + width]  # a view, rows of a contiguous matrix
-            member.b_t = member.b_side.view(-1, member.rank, b_side.shape[1])
             member.group = self
             start += width
         self.members = members
@@ -200,7 +191,8 @@ class StackedLoRA:
         rows = x.shape[0] // n  # B·T, the rows of one component
         if factors.complete and (n - 1) * rows <= _FEW_EXPERT_ROWS and x.dtype == factors.a_side.dtype == output.dtype:
             # The base rows of the product are zeros: they add exactly 0 to the base's outputs.
-            output.addmm_(self._side_by_side(x, rows, factors), factors.b_wide)
+            hidden = self._side_by_side(x, rows, factors)  # (N, Σ p·r): a group's product holds the siblings' too
+            output.addmm_(hidden if factors.group is None else hidden[:, factors.columns], factors.b_side)
             return output
         xs = x.view(n, rows, x.shape[-1])  # (k+1, B·T, in)
         xe = xs[1:] if factors.complete else xs.index_select(0, factors.index)  # (p, B·T, in)
@@ -215,7 +207,7 @@ class StackedLoRA:
     def _side_by_side(self, x: torch.Tensor, rows: int, factors: _Factors) -> torch.Tensor:
         """(x A) ⊙ M, (N, Σ p·r): each expert's rows keep its own r columns, the base's rows none (module docstring).
 
-        In a group, the product of all siblings' columns (their `b_wide` picks their own)."""
+        In a group, the product of all siblings' columns (each member reads its own `columns` of it)."""
         group = factors.group
         if group is None:
             hidden = torch.mm(x, factors.a_side)
