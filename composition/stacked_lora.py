@@ -66,8 +66,8 @@ class _SharedInput:
 
     The first of them to run in a pass computes `(x A) ⊙ M` for all; the others use it if they are given
     the same input unchanged (`reads`), else compute their own. Each member multiplies its own `columns` of
-    the product by its own `b_side`: no zero rows for the siblings' columns, which would be read at every
-    step for nothing (at a decoding step these products are bound by reading the factors)."""
+    the product by its own `b_side`: no zero-padded copy of B over the siblings' columns is stored, or read
+    at every step for nothing (the same speed as the padded copy in benchmarks/README.md, less memory)."""
 
     def __init__(self, members: list[_Factors]) -> None:
         self.a_side = torch.cat([member.a_side for member in members], dim=1)
