@@ -15,9 +15,10 @@ composed step would give.
 Models: seeded random ones (the Llama sized by the flags, or `--arch gemma2-2b`), whose LoRA
 experts are small random updates; or, with `--model DIR` (and `--expert DIR…`), a real base and its
 experts (benchmarks/real_model.py: without `--expert`, two LoRA adapters of rank 8 trained here for a
-few steps), prompts of random token ids; or, with `--letters RUN_DIR`, the trained letters models of a
-`mergecompose compare` run (its cached checkpoints, trained first if missing): coupled positions,
-held-out strings of the joint split, each string's L characters and EOS generated.
+few steps), prompts of random token ids or, with `--prompts math`, the study's math word problems as
+chat prompts; or, with `--letters RUN_DIR`, the trained letters models of a `mergecompose compare` run
+(its cached checkpoints, trained first if missing): coupled positions, held-out strings of the joint
+split, each string's L characters and EOS generated.
 
 Timing: one warm-up, then `--repeats` rounds in which every system runs once (interleaved);
 the median per system is reported as tokens/s and as a ratio to (a). Peak resident memory is
@@ -27,6 +28,8 @@ measured for each system in its own fresh subprocess (VmHWM, see benchmarks.memo
     python -m benchmarks.decode --systems base full full+spec --batch-sizes 1 --no-memory
     python -m benchmarks.decode --letters runs/letters --systems base full full+spec lora lora+spec --batch-sizes 1
     python -m benchmarks.decode --model smollm2-135m-instruct --prompt-length 64 --threads 2   # `make bench`
+    python -m benchmarks.decode --model smollm2-135m-instruct --expert MATH CODE --prompts math \
+        --systems full full+spec --batch-sizes 1 --no-memory   # full experts, the merged draft, math prompts
     python -m benchmarks.decode --smoke           # tiny sizes, one repeat (CI smoke run)
 """
 
@@ -43,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.memory import peak_rss_mib
 from benchmarks.real_model import add_model_arguments, real_workload
@@ -55,6 +58,8 @@ from mergecompose.core.tiny import ALL_LINEAR, tiny_llama_config
 from mergecompose.experiments.components import prepare_components
 from mergecompose.experiments.config import load_config
 from mergecompose.experiments.letters.task import sample_strings
+from mergecompose.experiments.math_code.chat_data import generation_inputs
+from mergecompose.experiments.math_code.math_problems import math_split
 from mergecompose.experiments.strings import is_held_out
 from mergecompose.experiments.tokenizer import encode_strings
 
@@ -101,8 +106,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_workload_arguments(parser)
     add_model_arguments(parser)
+    parser.add_argument(
+        "--prompts",
+        default="random",
+        choices=["random", "math"],
+        help="with --model: prompts of --prompt-length random ids, or the math test split's first --math-prompts "
+        "word problems as chat prompts (the study's rendering, left-padded in a batch)",
+    )
+    parser.add_argument("--math-prompts", type=int, default=4, help="how many math problems (--prompts math)")
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS + list(SPECULATIVE))
     parser.add_argument("--draft-tokens", type=int, default=4, help="K, tokens drafted a round by (e) and (f)")
+    parser.add_argument(
+        "--fixed-draft",
+        action="store_true",
+        help="K fixed at --draft-tokens every round (adaptive_draft=False); default: the adaptive K",
+    )
     parser.add_argument(
         "--draft-lambda",
         type=float,
@@ -268,7 +286,8 @@ class Workbench:
         return fresh_base, full_experts, {f"expert_{i}": str(folder) for i, folder in enumerate(adapter_dirs)}
 
     def _real_models(self, args, systems):
-        """A real base and its experts (`--model`, `--expert`), in the benchmark's dtype; prompts of random ids."""
+        """A real base and its experts (`--model`, `--expert`), in the benchmark's dtype; prompts of random ids, or
+        (`--prompts math`) the math test split's word problems as the study renders them."""
         from peft import PeftModel
 
         base_dir, expert_sources = real_workload(args.model, args.expert, progress=not args.memory_child)
@@ -297,6 +316,13 @@ class Workbench:
         self.parameters = fresh_base().num_parameters()
         self._decoding = {"max_new_tokens": args.new_tokens}
         self._prompt_batches = self._random_prompts
+        if args.prompts == "math":
+            tokenizer = AutoTokenizer.from_pretrained(base_dir)
+            self.math_prompts = [problem.prompt for problem in math_split("test", args.math_prompts)]
+            self._prompt_batches = lambda batch: [
+                generation_inputs(tokenizer, self.math_prompts[start : start + batch])
+                for start in range(0, len(self.math_prompts) - batch + 1, batch)
+            ]
         return fresh_base, full_experts, {f"expert_{i}": source for i, source in enumerate(expert_sources)}
 
     def _letters_models(self, args):
@@ -364,6 +390,7 @@ class Workbench:
             draft="merged",
             num_draft_tokens=self.args.draft_tokens,
             draft_lambda=self.args.draft_lambda,
+            adaptive_draft=not self.args.fixed_draft,
         )
         self.speculation[name].append(composed.speculation_stats)
         return out
@@ -450,6 +477,8 @@ def peak_rss_mb(args, system: str) -> float:
         "draft_tokens",
         "letters_strings",
         "letters_length",
+        "prompts",
+        "math_prompts",
     ]:
         command += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     command += [
@@ -468,6 +497,8 @@ def peak_rss_mb(args, system: str) -> float:
         command += ["--model", args.model, *(["--expert", *args.expert] if args.expert else [])]
     if args.draft_lambda:
         command += ["--draft-lambda", *map(str, args.draft_lambda)]
+    if args.fixed_draft:
+        command.append("--fixed-draft")
     output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return float(output.strip().splitlines()[-1])
 
@@ -493,6 +524,12 @@ def main(argv=None) -> int:
         return 0
     if args.smoke:
         apply_smoke(args)
+    if args.prompts != "random" and not args.model:
+        parser.error(f"--prompts: {args.prompts!r} needs a real base's tokenizer (--model); without it, 'random'")
+    if args.prompts == "math" and args.math_prompts < max(args.batch_sizes):
+        parser.error(
+            f"--math-prompts: must be at least the largest batch size {max(args.batch_sizes)}, got {args.math_prompts}"
+        )
     bench = Workbench(args, args.systems)
     started = conditions(args.repeats)
     parameters = bench.parameters
@@ -509,7 +546,7 @@ def main(argv=None) -> int:
         models = f"{args.model} ({models}), experts {args.expert or 'trained by benchmarks/real_model.py'}"
     print(
         f"decode benchmark: {models}, {args.dtype} on {args.device}, "
-        f"prompt {args.prompt_length if not args.letters else 'a letter string'}, "
+        f"prompt {_prompt_words(args)}, "
         f"{bench.new_tokens} new tokens, median of {args.repeats}"
     )
     for batch in args.batch_sizes:
@@ -560,6 +597,14 @@ def profile_systems(bench: Workbench, batch: int, rows: int) -> dict[str, list[d
         table = [[row["operator"], row["calls"], f"{row['self_cpu_ms']:.1f}"] for row in tables[name]]
         print(markdown_table(["operator", "calls", "self CPU ms"], table, pad=True))
     return tables
+
+
+def _prompt_words(args) -> str:
+    if args.letters:
+        return "a letter string"
+    if args.model and args.prompts == "math":
+        return f"the first {args.math_prompts} math test problems (chat)"
+    return f"{args.prompt_length} random ids"
 
 
 def _ratio(row, key) -> str:

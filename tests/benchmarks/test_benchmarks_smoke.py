@@ -2,8 +2,12 @@
 
 import json
 
+import pytest
+from transformers import AutoTokenizer
+
 from benchmarks import decode, merge, precision
 from benchmarks import lm_eval as lm_eval_benchmark
+from mergecompose.experiments.math_code.math_problems import math_split
 
 
 def test_decode_benchmark_runs(tmp_path):
@@ -85,3 +89,41 @@ def test_lm_eval_benchmark_runs_on_the_real_model_with_its_adapters(tmp_path, sm
     rows = results["batches"]["2"]
     assert set(rows) == {"hf", "composed"} and all(row["tokens"] > 0 for row in rows.values())
     assert results["args"]["model"] == str(smollm2_dir)
+
+
+def test_decode_benchmark_takes_math_prompts_on_the_real_model(tmp_path, smollm2_dir, smollm2_adapters):
+    out = tmp_path / "decode.json"
+    experts = [str(smollm2_adapters["math"]), str(smollm2_adapters["code"])]
+    systems = ["base", "lora", "full+spec"]
+    argv = ["--smoke", "--model", str(smollm2_dir), "--expert", *experts, "--prompts", "math", "--math-prompts", "2"]
+    assert decode.main([*argv, "--systems", *systems, "--fixed-draft", "--out", str(out), "--no-memory"]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["batches"]["1"]) == set(results["batches"]["2"]) == set(systems)
+    assert results["args"]["prompts"] == "math"
+    spec = results["batches"]["1"]["full+spec"]
+    assert spec["plain_rounds"] == 0 and spec["drafted"] > 0  # K fixed: every round drafts (adaptive: round 2 not)
+
+    # The batches are the math test split's problems as the study renders them, left-padded.
+    args = decode.build_parser().parse_args([*argv, "--systems", "base"])
+    decode.apply_smoke(args)
+    bench = decode.Workbench(args, ["base"])
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    problems = math_split("test", 2)
+    assert len(bench.prompts(1)) == 2 and len(bench.prompts(2)) == 1
+    (batch,) = bench.prompts(2)
+    texts = tokenizer.batch_decode(batch["input_ids"], skip_special_tokens=True)
+    assert all(problem.question in text for problem, text in zip(problems, texts))
+    assert (batch["attention_mask"][:, -1] == 1).all() and (batch["attention_mask"] == 0).any()  # padded on the left
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompts", "math"], "--prompts: 'math' needs a real base's tokenizer (--model)"),
+        (["--model", "some/base", "--prompts", "math", "--math-prompts", "2"], "--math-prompts: must be at least"),
+    ],
+)
+def test_decode_benchmark_refuses_math_prompts_it_cannot_build(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        decode.main([*argv, "--batch-sizes", "1", "8"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
