@@ -14,11 +14,14 @@ The first round drafts one token (it also fills the caches with the prompt and i
 second is a plain step, which times T(0). Until a drafting round has been timed, t_d is taken as
 T(0) · `draft_cost`, the draft's parameters over those the target reads in a pass: a round drafts
 again only if that estimate says it pays, and is then timed. A poor draft so costs its prompt pass
-and one or two draft passes before decoding falls back, a good one a few tokens before K grows. When plain
-steps have won `probe_every` rounds in a row, one round drafts again, so that a draft that has become
-good (a later part of the text it predicts well) is noticed; each probe that does not bring drafting
-back doubles the wait before the next. A round whose draft first had to catch up with more than three
-tokens it had not seen (after several plain steps) is not timed: that pass costs more than one.
+and one or two draft passes before decoding falls back, a good one a few tokens before K grows. When
+plain steps have won `first_probe` rounds in a row, one round drafts again, so that a draft that has
+become good (a later part of the text it predicts well) is noticed. The first wait is short: a fallback
+is often decided on one or two tests, and a good draft whose first token was rejected (the prior of 1
+in 2 then falls to 0.31) would otherwise decode plainly for 64 tokens. Each probe that does not bring
+drafting back sets the wait to at least `probe_every` rounds, and doubles it after that. A round whose
+draft first had to catch up with more than three tokens it had not seen (after several plain steps) is
+not timed: that pass costs more than one.
 
 Any K keeps decoding exact: the acceptance rule holds round by round. Greedy output is therefore the
 same token for token; sampling stays exact in distribution, but which tokens a seed draws depends on
@@ -47,6 +50,7 @@ class DraftLength:
         *,
         draft_cost: float = 1.0,
         decay: float = 0.8,
+        first_probe: int = 8,
         probe_every: int = 64,
     ) -> None:
         self.max_draft_tokens = max_draft_tokens
@@ -54,6 +58,7 @@ class DraftLength:
         self.adaptive = adaptive
         self.decay = decay
         self.probe_every = probe_every
+        self.wait = first_probe  # plain rounds in a row before the next probe
         self.accepted, self.tested = 1.0, 2.0  # the prior: a = 0.5
         self.plain_seconds: float | None = None  # T(0)
         self.draft_pass_seconds: float | None = None  # t_d
@@ -75,7 +80,7 @@ class DraftLength:
         if self.rounds == 2:
             return 0
         best = self.best()
-        self.probing = best == 0 and self.plain_in_a_row >= self.probe_every
+        self.probing = best == 0 and self.plain_in_a_row >= self.wait
         return self.best(minimum=1) if self.probing else best
 
     def best(self, minimum: int = 0) -> int:
@@ -107,7 +112,7 @@ class DraftLength:
                 per_pass = max(seconds - self.plain_seconds, 0.0) / draft_tokens
                 self.draft_pass_seconds = _running(self.draft_pass_seconds, per_pass)
         if self.probing and self.best() == 0:
-            self.probe_every *= 2  # the probe did not bring drafting back: wait twice as long
+            self.wait = max(self.probe_every, 2 * self.wait)  # the probe did not bring drafting back: wait longer
 
 
 def _running(previous: float | None, value: float) -> float:

@@ -679,7 +679,7 @@ def test_a_poor_draft_falls_back_to_plain_steps_and_probes_now_and_then():
     chosen = play(DraftLength(4, draft_cost=0.4), acceptance=0.05, draft_pass=0.4, verify=1.0, rounds=60)
     assert chosen[:2] == [1, 0]  # one draft (that round also fills the caches), then a timed plain step
     later = chosen[2:]
-    assert later.count(0) >= 55 and sum(k > 0 for k in later) <= 2  # plain steps; probes after 64, 128... rounds
+    assert later.count(0) >= 55 and sum(k > 0 for k in later) <= 2  # plain steps; probes after 8, 64, 128... rounds
     probed = play(DraftLength(4, draft_cost=0.4), acceptance=0.05, draft_pass=0.4, verify=1.0, rounds=300)
     assert 2 <= sum(k > 0 for k in probed[2:]) <= 5
 
@@ -688,6 +688,21 @@ def test_a_good_draft_keeps_drafting_and_a_cheap_one_drafts_the_most():
     assert set(play(DraftLength(4, draft_cost=0.1), acceptance=0.95, draft_pass=0.1, verify=1.0, rounds=30)[3:]) == {4}
     middle = play(DraftLength(4, draft_cost=0.3), acceptance=0.6, draft_pass=0.3, verify=1.0, rounds=30)[3:]
     assert 0 not in middle and max(middle) < 4  # drafting pays, but not four tokens a round
+
+
+def test_a_good_draft_whose_first_token_is_rejected_drafts_again_soon():
+    # The first round's one draft is rejected (a falls from the prior 0.5 to 0.31: plain steps); every later
+    # draft is accepted at 0.95. The first probe comes after 8 plain rounds, and drafting comes back for good.
+    policy = DraftLength(4, draft_cost=1 / 3)
+    chosen = []
+    for round_ in range(64):
+        k = policy.next()
+        chosen.append(k)
+        accepted = 0.0 if round_ == 0 else 0.95 * k
+        policy.update(k, accepted, k, k * 1 / 3 + 1.0 + 0.01 * k)
+    assert chosen[:3] == [1, 0, 0]  # the rejection sends it to plain steps
+    assert 0 < chosen.index(1, 2) <= 12  # the first probe
+    assert chosen[16:].count(0) == 0 and max(chosen[16:]) == 4  # drafting again, four tokens a round
 
 
 def test_a_fixed_k_ignores_what_it_sees():
