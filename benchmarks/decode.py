@@ -51,6 +51,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from benchmarks.memory import peak_rss_mib
 from benchmarks.real_model import add_model_arguments, real_workload
 from benchmarks.report import conditions, conditions_line, write_results
+from benchmarks.shapes import gemma2_2b_config
 from mergecompose.composition import ComposedLM, SpeculationStats, compose_logprobs
 from mergecompose.core.boundary import check_model_or_adapter
 from mergecompose.core.io import markdown_table
@@ -165,24 +166,7 @@ def model_config(args):
     """The benchmark model's config: a Llama sized by the flags, or a Gemma-2-2B shape."""
 
     if args.arch == "gemma2-2b":
-        from transformers import Gemma2Config
-
-        # google/gemma-2-2b's shape: 26 layers, hidden 2304, 8 heads (4 KV) of 256, MLP 9216, vocab 256000.
-        return Gemma2Config(
-            vocab_size=256000,
-            hidden_size=2304,
-            intermediate_size=9216,
-            num_hidden_layers=26,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=256,
-            max_position_embeddings=8192,
-            sliding_window=4096,
-            bos_token_id=2,
-            eos_token_id=1,
-            pad_token_id=0,
-            initializer_range=0.02,
-        )
+        return gemma2_2b_config()
     return tiny_llama_config(
         vocab_size=args.vocab,
         hidden_size=args.hidden,

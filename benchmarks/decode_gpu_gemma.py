@@ -1,19 +1,28 @@
-"""Speculative decoding of two composed full experts at Gemma-2-2B size: base, composition, composition + merged draft.
+"""Composition at Gemma-2-2B size: base, LoRA composition, full composition, full composition + merged draft.
 
-A random base of google/gemma-2-2b's shape (`benchmarks.decode.model_config`: vocabulary 256,000, hidden 2,304,
+A random base of google/gemma-2-2b's shape (`benchmarks.shapes.gemma2_2b_config`: vocabulary 256,000, hidden 2,304,
 26 layers, sliding window 4,096; eager attention, which applies Gemma-2's soft-capping) in bfloat16 on the GPU, and
-two full experts = the base plus Gaussian noise of `--noise` times each weight matrix's own standard deviation, so
-that their task-arithmetic merge θ_b + (θ_1 − θ_b) + (θ_2 − θ_b) is a plausible draft. Systems, greedy by default,
-the same random prompt, `--new-tokens` tokens each (EOS off):
+two kinds of experts:
+
+  - two full experts = the base plus Gaussian noise of `--noise` times each weight matrix's own standard deviation,
+    so that their task-arithmetic merge θ_b + (θ_1 − θ_b) + (θ_2 − θ_b) is a plausible draft;
+  - two LoRA adapters of rank `--rank` on all seven projections, random factors times `--lora-scale`
+    (`init_lora_weights=False`, as `benchmarks.decode` makes its random LoRA experts).
+
+Systems, greedy by default, the same random prompt, `--new-tokens` tokens each (EOS off):
 
   base        transformers' `generate` on the base alone
-  full        `ComposedLM` of the two experts (3 forward passes a token, one KV cache each)
-  full+spec   the same with `draft="merged"` and K = `--draft-tokens`
+  lora        `ComposedLM.from_adapters`: the two LoRA experts on one copy of the base, one batched pass a token
+  full        `ComposedLM` of the two full experts (3 forward passes a token, one KV cache each)
+  full+spec   the same with `draft="merged"` and K = `--draft-tokens` (adaptive: it may fall back to plain steps)
 
-One warm-up each (the merged draft is built there, and timed on its own), then `--repeats` interleaved runs;
-median tokens/s, ratios to `full` and to `base`, the acceptance rate a and tokens per round, whether the greedy
-outputs of `full` and `full+spec` agree (in bfloat16 one pass over K+1 tokens and K+1 passes over one can round
-differently, so a near-tie may flip), and the peak GPU memory. Prints one JSON line (and writes it to `--out`).
+One warm-up each (the merged draft is built before it, and timed on its own), then `--repeats` interleaved runs;
+median tokens/s, ratios, the acceptance rate a and tokens per round, whether the greedy outputs of `full` and
+`full+spec` agree (in bfloat16 one pass over K+1 tokens and K+1 passes over one can round differently, so a
+near-tie may flip). Peak GPU memory of each system (`peak_gpu_memory_gib`) is the memory its models hold (what
+building them allocated: the base; the LoRA system's own base copy and adapters; the two full experts; the merged
+draft) plus the peak its warm-up run allocated above what was allocated before it (`run_peak_gib`). Prints one JSON
+line (and writes it to `--out`).
 
     python -m benchmarks.decode_gpu_gemma                 # H200: figures in benchmarks/README.md
     python -m benchmarks.decode_gpu_gemma --tiny          # a 2-layer Gemma-2 in float32 on the CPU, to check the script
@@ -25,14 +34,17 @@ import argparse
 import copy
 import json
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.decode import model_config
 from benchmarks.report import write_results
+from benchmarks.shapes import gemma2_2b_config
 from mergecompose.composition import ComposedLM
+from mergecompose.core.tiny import random_lora_adapter
 
 TINY = dict(
     vocab_size=512,
@@ -61,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--noise", type=float, default=0.01, help="experts = base + noise · (each matrix's std) · N(0, 1)"
     )
+    parser.add_argument("--rank", type=int, default=8, help="the LoRA experts' rank")
+    parser.add_argument("--lora-scale", type=float, default=0.05, help="the LoRA experts' random factors times this")
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
@@ -73,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_models(args):
     """The base (seed 0) and two experts (seeds 1, 2) on the device, in the run's dtype, with eager attention."""
-    config = model_config(argparse.Namespace(arch="gemma2-2b"))
+    config = gemma2_2b_config()
     if args.tiny:
         for key, value in TINY.items():
             setattr(config, key, value)
@@ -104,6 +118,15 @@ def build_models(args):
     return base, experts
 
 
+def _allocated(device: torch.device) -> int:
+    _sync(device)
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def _gib(count: int) -> float:
+    return round(count / 2**30, 2)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -114,10 +137,27 @@ def main(argv=None) -> int:
     args.device = args.device or ("cpu" if args.tiny else "cuda")
     args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     device = torch.device(args.device)
-    started = time.perf_counter()
+    cuda = device.type == "cuda"
+    held = {}  # bytes each part's building allocated on the device
+    started, before = time.perf_counter(), _allocated(device)
     base, experts = build_models(args)
-    _sync(device)
+    after = _allocated(device)
     build_seconds = time.perf_counter() - started
+    held["base"] = base.num_parameters() * base.dtype.itemsize if cuda else 0
+    held["full_experts"] = after - before - held["base"]
+    folder = tempfile.TemporaryDirectory()
+    adapters = {
+        f"expert_{index}": str(
+            random_lora_adapter(
+                base, Path(folder.name) / f"expert_{index}", 10 + index, args.rank, scale=args.lora_scale
+            )
+        )
+        for index in range(2)
+    }
+    before = _allocated(device)
+    lora_base = copy.deepcopy(base)
+    lora = ComposedLM.from_adapters(lora_base, adapters)
+    held["lora"] = _allocated(device) - before
     lm = ComposedLM(base, experts)
     vocab = base.config.vocab_size
     ids = torch.randint(3, vocab, (args.batch, args.prompt_length), generator=torch.Generator().manual_seed(0)).to(
@@ -133,6 +173,7 @@ def main(argv=None) -> int:
             min_new_tokens=args.new_tokens,
             do_sample=args.sample,
         ),
+        "lora": lambda: lora.generate(ids, mask, max_new_tokens=args.new_tokens, eos_token_id=[], **sampling),
         "full": lambda: lm.generate(ids, mask, max_new_tokens=args.new_tokens, eos_token_id=[], **sampling),
         "full+spec": lambda: lm.generate(
             ids,
@@ -144,15 +185,26 @@ def main(argv=None) -> int:
             **sampling,
         ),
     }
-    _sync(device)
-    started = time.perf_counter()
+    before, started = _allocated(device), time.perf_counter()
     lm.merged_draft()
     _sync(device)
     merge_seconds = time.perf_counter() - started
+    held["merged_draft"] = _allocated(device) - before
+    holds = {
+        "base": held["base"],
+        "lora": held["lora"],
+        "full": held["base"] + held["full_experts"],
+        "full+spec": held["base"] + held["full_experts"] + held["merged_draft"],
+    }
 
-    outputs, seconds, acceptance = {}, {name: [] for name in systems}, []
-    for name, run in systems.items():  # warm-up
+    outputs, run_peak, seconds, acceptance = {}, {}, {name: [] for name in systems}, []
+    for name, run in systems.items():  # warm-up, and each system's own peak above what is allocated
+        before = _allocated(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         outputs[name] = run()
+        _sync(device)
+        run_peak[name] = torch.cuda.max_memory_allocated(device) - before if cuda else 0
     for _ in range(args.repeats):
         for name, run in systems.items():
             _sync(device)
@@ -168,11 +220,13 @@ def main(argv=None) -> int:
     agree = (full == spec).cumprod(dim=1).sum(dim=1)  # (B,) tokens equal before the first difference
     result = {
         "benchmark": "decode_gpu_gemma",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else args.device,
+        "device": torch.cuda.get_device_name(device) if cuda else args.device,
         "dtype": args.dtype,
         "tiny": args.tiny,
         "parameters": base.num_parameters(),
         "noise": args.noise,
+        "rank": args.rank,
+        "lora_scale": args.lora_scale,
         "batch": args.batch,
         "prompt_length": args.prompt_length,
         "new_tokens": args.new_tokens,
@@ -180,21 +234,24 @@ def main(argv=None) -> int:
         "decoding": "sample" if args.sample else "greedy",
         "repeats": args.repeats,
         "tokens_per_second": {name: round(value, 2) for name, value in speed.items()},
+        "lora_over_base": round(speed["lora"] / speed["base"], 3),
+        "full_over_base": round(speed["full"] / speed["base"], 3),
         "spec_over_full": round(speed["full+spec"] / speed["full"], 3),
         "spec_over_base": round(speed["full+spec"] / speed["base"], 3),
-        "full_over_base": round(speed["full"] / speed["base"], 3),
         "acceptance_rate": round(statistics.mean(run["acceptance_rate"] for run in acceptance), 4),
         "tokens_per_round": round(statistics.mean(run["tokens_per_round"] for run in acceptance), 3),
         "greedy_outputs_equal": None if args.sample else bool(torch.equal(full, spec)),
         "tokens_equal_before_first_difference": None if args.sample else agree.tolist(),
         "build_seconds": round(build_seconds, 1),
         "merge_seconds": round(merge_seconds, 2),
-        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        if device.type == "cuda"
-        else None,
+        "peak_gpu_memory_gib": {name: _gib(holds[name] + run_peak[name]) for name in systems} if cuda else None,
+        "held_gib": {name: _gib(count) for name, count in held.items()} if cuda else None,
+        "run_peak_gib": {name: _gib(count) for name, count in run_peak.items()} if cuda else None,
+        "peak_gpu_memory_gib_all": _gib(torch.cuda.max_memory_allocated(device)) if cuda else None,
     }
     print(json.dumps(result))
     write_results(result, args.out)
+    folder.cleanup()
     return 0
 
 

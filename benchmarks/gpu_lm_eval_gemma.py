@@ -68,7 +68,7 @@ import transformers
 import yaml
 from transformers import AutoModelForCausalLM, Gemma2Config, PreTrainedTokenizerFast
 
-from benchmarks.decode import model_config as decode_config
+from benchmarks.shapes import gemma2_2b_config
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.experiments.compare import run_compare
 from mergecompose.experiments.config import load_config
@@ -130,7 +130,7 @@ def model_config(args) -> Gemma2Config:
             initializer_range=0.02,
         )
     else:
-        config = decode_config(argparse.Namespace(arch="gemma2-2b"))  # google/gemma-2-2b's shape
+        config = gemma2_2b_config()
     if args.vocab is not None:
         config.vocab_size = args.vocab
     if args.layers is not None:

@@ -27,25 +27,12 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config
 
 from benchmarks.report import write_results
+from benchmarks.shapes import GEMMA_2_2B
 from mergecompose.analysis.data import SPECIAL_TOKENS, char_tokenizer
 from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import random_lora_adapter
 from mergecompose.integrations.vllm.folder import build_vllm_model
 
-GEMMA_2_2B = dict(
-    vocab_size=256000,
-    hidden_size=2304,
-    intermediate_size=9216,
-    num_hidden_layers=26,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=256,
-    max_position_embeddings=8192,
-    sliding_window=4096,
-    attn_logit_softcapping=50.0,
-    final_logit_softcapping=30.0,
-    query_pre_attn_scalar=256,
-)
 TINY = dict(
     GEMMA_2_2B,
     vocab_size=512,

@@ -70,14 +70,19 @@ class ExpertRecipe(BaseModel):
     # Math references as written ("direct"), or with each two-number step worked out by place value
     # ("expanded": `math_problems.expanded_arithmetic`).
     arithmetic: Literal["direct", "expanded"] = "direct"
+    # Math only: each procedural train template taken this many times a turn (`math_split`); 1: every
+    # template's share equal (the 12 fixed templates then make 3/4 of the problems).
+    procedural_weight: int = Field(1, ge=1)
     samples: int = Field(4, ge=1)
     temperature: float = Field(0.7, gt=0)
     max_new_tokens: int = Field(256, ge=1)
 
     @model_validator(mode="after")
-    def _arithmetic_is_for_math(self) -> ExpertRecipe:
+    def _math_fields_are_for_math(self) -> ExpertRecipe:
         if self.arithmetic != "direct" and self.skill != "math":
             raise ValueError(f"`arithmetic` must be 'direct' for a {self.skill} expert, got {self.arithmetic!r}")
+        if self.procedural_weight != 1 and self.skill != "math":
+            raise ValueError(f"`procedural_weight` must be 1 for a {self.skill} expert, got {self.procedural_weight}")
         return self
 
 
@@ -97,7 +102,8 @@ def training_pairs(recipe: ExpertRecipe) -> list[tuple[str, str]]:
     if recipe.skill == "math":
         worked = expanded_arithmetic if recipe.arithmetic == "expanded" else str
         return [
-            (problem.prompt, worked(problem.solution)) for problem in math_split("train", recipe.examples, recipe.seed)
+            (problem.prompt, worked(problem.solution))
+            for problem in math_split("train", recipe.examples, recipe.seed, recipe.procedural_weight)
         ]
     return [(problem.prompt, problem.answer) for problem in code_split("train", recipe.examples, recipe.seed)]
 
@@ -106,7 +112,7 @@ def sampled_pairs(model, tokenizer, recipe: ExpertRecipe, batch_size: int = 32) 
     """The base's own right answers to the recipe's train problems: `samples` completions per problem drawn at
     `temperature` (seeded), kept where their lenient score passes (distinct answers only); and the counts."""
     if recipe.skill == "math":
-        problems: list = math_split("train", recipe.examples, recipe.seed)
+        problems: list = math_split("train", recipe.examples, recipe.seed, recipe.procedural_weight)
     else:
         problems = code_split("train", recipe.examples, recipe.seed)
     prompts = [problem.prompt for problem in problems for _ in range(recipe.samples)]

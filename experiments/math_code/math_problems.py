@@ -637,14 +637,29 @@ TEMPLATE_SPLITS: dict[str, tuple[Template, ...]] = {
 }  # fmt: skip
 
 
-def math_split(split: str, count: int, seed: int = 0) -> list[MathProblem]:
-    """`count` problems with distinct questions from the templates of `split`, taken in turn."""
+PROCEDURAL = (collection, rates, shopping, comparison)  # the train split's procedural templates
+
+
+def math_split(split: str, count: int, seed: int = 0, procedural_weight: int = 1) -> list[MathProblem]:
+    """`count` problems with distinct questions from the templates of `split`, taken in turn.
+
+    `procedural_weight` (train only) takes each procedural template (`PROCEDURAL`) that many times a turn,
+    so they make 4w / (12 + 4w) of the problems instead of 4 / 16: 1 keeps every template's share equal.
+    """
     check_split(split)
     check_count(count)
+    if isinstance(procedural_weight, bool) or not isinstance(procedural_weight, int) or procedural_weight < 1:
+        raise ValueError(f"`procedural_weight` must be an integer >= 1, got {procedural_weight!r}")
+    if procedural_weight > 1 and split != "train":
+        raise ValueError(f"`procedural_weight` must be 1 for the {split} split (only train has procedural templates)")
     rng = random.Random(f"math/{split}/{seed}")
 
     def draw(template: Template) -> MathProblem:
         question, steps, answer = template(rng, rng.choice(NAMES))
         return MathProblem(template.__name__, split, question, _solution(steps, answer), answer)
 
-    return distinct_draws(TEMPLATE_SPLITS[split], count, draw, lambda problem: problem.question)
+    templates = TEMPLATE_SPLITS[split]
+    if procedural_weight > 1:
+        fixed = tuple(template for template in templates if template not in PROCEDURAL)
+        templates = fixed + PROCEDURAL * procedural_weight
+    return distinct_draws(templates, count, draw, lambda problem: problem.question)

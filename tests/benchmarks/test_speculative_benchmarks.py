@@ -81,4 +81,5 @@ def test_gemma_gpu_script_runs_tiny_on_the_cpu(tmp_path, capsys):
     line = json.loads(capsys.readouterr().out.strip().splitlines()[0])
     assert line == json.loads(out.read_text())
     assert line["greedy_outputs_equal"] and line["tokens_equal_before_first_difference"] == [12]
-    assert set(line["tokens_per_second"]) == {"base", "full", "full+spec"} and 0 <= line["acceptance_rate"] <= 1
+    assert set(line["tokens_per_second"]) == {"base", "lora", "full", "full+spec"} and 0 <= line["acceptance_rate"] <= 1
+    assert line["lora_over_base"] > 0 and line["rank"] == 8

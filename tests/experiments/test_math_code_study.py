@@ -19,8 +19,9 @@ from mergecompose.core.sandbox import sandbox_available
 from mergecompose.experiments.config import load_config
 from mergecompose.experiments.math_code import code_split, score_code
 from mergecompose.experiments.math_code import experts as experts_module
-from mergecompose.experiments.math_code.experts import ExpertRecipe, expert_folder, sampled_pairs
+from mergecompose.experiments.math_code.experts import ExpertRecipe, expert_folder, sampled_pairs, training_pairs
 from mergecompose.experiments.math_code.lm_eval_tasks import study_records
+from mergecompose.experiments.math_code.math_problems import PROCEDURAL, math_split
 from mergecompose.experiments.math_code.study import SPLITS, MathCodeStudyConfig, StudySplits, run_math_code_study
 from mergecompose.integrations.lm_eval.humaneval import TASK_NAMES as HUMANEVAL_TASKS
 
@@ -215,3 +216,22 @@ def test_an_expert_is_kept_by_its_training_data_too(tmp_path, monkeypatch):
     assert expert_folder(tmp_path, recipe, tmp_path / "cache") != folder
     with pytest.raises(ValueError, match=r"`arithmetic` must be 'direct' for a code expert, got 'expanded'"):
         ExpertRecipe(skill="code", arithmetic="expanded")
+    with pytest.raises(ValueError, match=r"`procedural_weight` must be 1 for a code expert, got 3"):
+        ExpertRecipe(skill="code", procedural_weight=3)
+
+
+def test_procedural_weight_sets_the_share_of_procedural_math_problems():
+    """Weight 1 is the split as before; weight w takes each procedural template w times a turn."""
+    plain = ExpertRecipe(skill="math", examples=160)
+    weighted = plain.model_copy(update={"procedural_weight": 6})
+    assert training_pairs(plain) == [(p.prompt, p.solution) for p in math_split("train", 160)]
+    templates = [p.template for p in math_split("train", 360, 0, 6)]
+    share = sum(template in {t.__name__ for t in PROCEDURAL} for template in templates) / len(templates)
+    assert 0.6 < share < 0.7  # 24 of every 36 draws (a repeated question is drawn again), against 4 of 16
+    assert set(templates) == {p.template for p in math_split("train", 160)}  # no template dropped
+    assert [prompt for prompt, _ in training_pairs(weighted)] == [p.prompt for p in math_split("train", 160, 0, 6)]
+    assert expert_folder("base", weighted, "cache") != expert_folder("base", plain, "cache")
+    with pytest.raises(ValueError, match=r"`procedural_weight` must be 1 for the test split"):
+        math_split("test", 5, procedural_weight=2)
+    with pytest.raises(ValueError, match=r"`procedural_weight` must be an integer >= 1, got 0"):
+        math_split("train", 5, procedural_weight=0)
