@@ -151,6 +151,17 @@ def sampled_pairs(model, tokenizer, recipe: ExpertRecipe, batch_size: int = 32) 
     return pairs, counts
 
 
+KEYED_SINCE = {"procedural_weight": 1}  # fields added after experts were cached: keyed only away from these values
+
+
+def recipe_key(recipe: ExpertRecipe) -> dict:
+    """The recipe as its cache key holds it: `autocast: auto` as what it resolves to (an expert trained in
+    bfloat16 is not one trained in float32), and a field added since (`KEYED_SINCE`) only where it is not at the
+    value that gives the old behaviour, so an expert cached before the field existed is found again."""
+    fields = resolved(recipe).model_dump(mode="json")
+    return {name: value for name, value in fields.items() if KEYED_SINCE.get(name, object()) != value}
+
+
 def expert_folder(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike) -> Path:
     """Where `train_expert` keeps the expert of `recipe` on `base` (nothing is trained).
 
@@ -158,10 +169,7 @@ def expert_folder(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os
     data generator trains anew instead of reusing an expert trained on other problems.
     """
     problems = fingerprint([list(pair) for pair in training_pairs(recipe)])
-    # `autocast: auto` keyed by what it resolves to: an expert trained in bfloat16 is not one trained in float32.
-    key = fingerprint(
-        {"recipe": resolved(recipe).model_dump(mode="json"), "base": source_identity(str(base)), "data": problems}
-    )
+    key = fingerprint({"recipe": recipe_key(recipe), "base": source_identity(str(base)), "data": problems})
     return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
 
 

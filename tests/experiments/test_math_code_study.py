@@ -19,7 +19,14 @@ from mergecompose.core.sandbox import sandbox_available
 from mergecompose.experiments.config import load_config
 from mergecompose.experiments.math_code import code_split, score_code
 from mergecompose.experiments.math_code import experts as experts_module
-from mergecompose.experiments.math_code.experts import ExpertRecipe, expert_folder, sampled_pairs, training_pairs
+from mergecompose.experiments.math_code.experts import (
+    ExpertRecipe,
+    expert_folder,
+    recipe_key,
+    resolved,
+    sampled_pairs,
+    training_pairs,
+)
 from mergecompose.experiments.math_code.lm_eval_tasks import study_records
 from mergecompose.experiments.math_code.math_problems import PROCEDURAL, math_split
 from mergecompose.experiments.math_code.study import SPLITS, MathCodeStudyConfig, StudySplits, run_math_code_study
@@ -231,6 +238,9 @@ def test_procedural_weight_sets_the_share_of_procedural_math_problems():
     assert set(templates) == {p.template for p in math_split("train", 160)}  # no template dropped
     assert [prompt for prompt, _ in training_pairs(weighted)] == [p.prompt for p in math_split("train", 160, 0, 6)]
     assert expert_folder("base", weighted, "cache") != expert_folder("base", plain, "cache")
+    # An expert cached before the field existed keeps its key: the default is left out of it.
+    assert "procedural_weight" not in recipe_key(plain) and recipe_key(weighted)["procedural_weight"] == 6
+    assert {**recipe_key(plain), "procedural_weight": 1} == resolved(plain).model_dump(mode="json")
     with pytest.raises(ValueError, match=r"`procedural_weight` must be 1 for the test split"):
         math_split("test", 5, procedural_weight=2)
     with pytest.raises(ValueError, match=r"`procedural_weight` must be an integer >= 1, got 0"):
