@@ -20,9 +20,12 @@ CPU of benchmarks/README.md, SmolLM2's 210 decoder linears took 47 ms over 3 row
 for W @ xᵀ and 52 ms for F.linear over 1 row, and less at every row count up to 192. With `pack_model`,
 `FewRowLinears` packs the weights of its linears in place: each module's weight parameter keeps its
 identity but holds an empty tensor while the packed copy (the same bytes, reordered) serves every forward,
-so memory does not grow. `close()` puts the dense weight back, bit for bit; `state_dict()` meanwhile gives
-the dense weight, a deep copy packs its own, and `load_state_dict` makes the module dense again with what it
-loads (which `close()` then keeps). The output layer, a weight that another module also holds
+so memory does not grow. Siblings that read one input (q/k/v, gate/up: `SAME_INPUT`) are packed as one
+matrix (`PackedGroup`): the first to run computes the product for all and the others take their columns of
+it, so a decoder layer runs 4 oneDNN products at a step instead of 7 (at a few rows a call costs far more
+than its arithmetic; benchmarks/README.md). `close()` puts the dense weight back, bit for bit; `state_dict()`
+meanwhile gives the dense weight, a deep copy packs its own, and `load_state_dict` makes the module dense
+again with what it loads (which `close()` then keeps). The output layer, a weight that another module also holds
 (tied embeddings), or one that is not a float32 CPU matrix stays dense; a forward that needs gradients, runs
 under autocast or gets another dtype multiplies by the dense weight, unpacked for that call.
 """
@@ -30,6 +33,7 @@ under autocast or gets another dtype multiplies by the dense weight, unpacked fo
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import functools
 import os
@@ -80,6 +84,89 @@ class Packed:
 
     def __deepcopy__(self, memo: dict) -> Packed:
         return Packed(self.dense(), self.rows)  # an opaque tensor has no storage to copy
+
+
+# Linears of one parent that read the same input, in the architectures transformers ships (their names): packed as
+# one matrix (`PackedGroup`), and their LoRA factors A side by side (stacked_lora.py).
+SAME_INPUT = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"query", "key", "value"}, {"w1", "w3"})
+
+
+def reads_same(kept: torch.Tensor | None, version: int | None, x: torch.Tensor) -> bool:
+    """True if `x` is the tensor `kept` was when `version` was read: the same memory, layout, dtype and version.
+
+    Each linear is given its own view of its input (a reshape), so identity says nothing; `kept` holds that
+    memory, so no other tensor can have been given its address meanwhile. An inference tensor (made under
+    `torch.inference_mode`) has no version counter (`version` None): an in-place change to it could not be
+    seen, so it never reads the same."""
+    return (
+        kept is not None
+        and version is not None
+        and kept.data_ptr() == x.data_ptr()
+        and kept.shape == x.shape
+        and kept.stride() == x.stride()
+        and kept.dtype == x.dtype
+        and version == x._version
+    )
+
+
+def version_of(x: torch.Tensor) -> int | None:
+    """`x`'s version counter, None for an inference tensor (which has none)."""
+    return None if x.is_inference() else x._version
+
+
+class PackedGroup:
+    """Siblings' weights stacked, [W_1; W_2; …] (Σ out, in), and packed as one: one oneDNN product serves them all.
+
+    The first sibling to run computes x [W_1; W_2; …]ᵀ; each sibling then given the same input unchanged
+    (`reads_same`) takes its columns of it, once; a sibling given another input, or its own columns a second
+    time, computes the product anew."""
+
+    def __init__(self, dense: torch.Tensor, rows: int, sizes: list[int]) -> None:
+        self.rows, self.sizes = rows, sizes
+        self.tensor = torch.ops.mkldnn._reorder_linear_weight(dense.detach(), rows)
+        self.x: torch.Tensor | None = None  # the input of the kept product, its version, the product
+        self.version: int | None = None
+        self.output: torch.Tensor | None = None
+        self.taken: set[int] = set()  # the siblings that took their columns of it
+
+    def dense(self) -> torch.Tensor:
+        return self.tensor.to_dense()
+
+    def product(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """x [W_1; W_2; …]ᵀ (N, Σ out), computed anew unless sibling `index` has not yet taken this input's.
+
+        Once every sibling has taken its columns, the product and its input are let go: kept until the pass's
+        end, a prompt pass's products of every layer would be held at once."""
+        output = self.output
+        if output is None or index in self.taken or not reads_same(self.x, self.version, x):
+            output = torch.ops.mkldnn._linear_pointwise(x, self.tensor, None, "none", [], "")
+            self.x, self.version, self.output, self.taken = x, version_of(x), output, set()
+        self.taken.add(index)
+        if len(self.taken) == len(self.sizes):
+            self.clear()
+        return output
+
+    def clear(self) -> None:
+        self.x, self.version, self.output, self.taken = None, None, None, set()
+
+    def __deepcopy__(self, memo: dict) -> PackedGroup:
+        return PackedGroup(self.dense(), self.rows, self.sizes)  # an opaque tensor has no storage to copy
+
+
+class PackedSibling:
+    """One module's rows of a `PackedGroup`."""
+
+    def __init__(self, group: PackedGroup, index: int) -> None:
+        self.group, self.index = group, index
+        self.start = sum(group.sizes[:index])
+        self.end = self.start + group.sizes[index]
+
+    def dense(self) -> torch.Tensor:
+        """This module's weight in its ordinary layout: a new tensor, equal bit for bit to the one packed."""
+        return self.group.dense()[self.start : self.end].clone()
+
+    def __deepcopy__(self, memo: dict) -> PackedSibling:
+        return PackedSibling(copy.deepcopy(self.group, memo), self.index)  # siblings copied together share one
 
 
 def _dense_in_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
@@ -166,6 +253,7 @@ class FewRowLinears:
         self._patched: list[tuple[torch.nn.Module, Callable[..., torch.Tensor] | None]] = []
         # (module, its weight parameter, the state-dict hooks' handles) of every packed module, for `close()`.
         self._packed: list[tuple[torch.nn.Module, torch.nn.Parameter, list[torch.utils.hooks.RemovableHandle]]] = []
+        self._groups: list[PackedGroup] = []  # siblings packed as one, whose kept product a pass's end clears
         held = _weights_held_once(pack_model) if pack_model is not None else set()
         if isinstance(pack_model, PreTrainedModel) and isinstance(pack_model.get_output_embeddings(), torch.nn.Module):
             # The output layer stays dense: its weight's shape is the vocabulary that callers read, and over the
@@ -180,12 +268,31 @@ class FewRowLinears:
             # An instance attribute, bound to the module: the class's forward is left alone, `close()` deletes
             # ours, and a deep copy of the model made meanwhile computes with its own weights.
             module.__dict__["forward"] = types.MethodType(self._forward(addition), module)
-            weight = module._parameters["weight"]
-            if weight is not None and id(weight) in held and can_pack(weight):
-                self._pack(module, weight, pack_rows)
+        if pack_model is not None:
+            packable = [
+                module
+                for module, _ in self._patched
+                if module._parameters["weight"] is not None
+                and id(module._parameters["weight"]) in held
+                and can_pack(cast(torch.Tensor, module._parameters["weight"]))
+            ]
+            for members in _sibling_groups(pack_model, packable):
+                self._pack_siblings(members, pack_rows)
+            for alone in packable:
+                if PACKED not in alone.__dict__:
+                    self._pack(alone, Packed(cast(torch.Tensor, alone._parameters["weight"]).data, pack_rows))
 
-    def _pack(self, module: torch.nn.Module, weight: torch.nn.Parameter, rows: int) -> None:
-        module.__dict__[PACKED] = Packed(weight.data, rows)
+    def _pack_siblings(self, members: list[torch.nn.Module], rows: int) -> None:
+        """Pack siblings that read one input as one matrix (`PackedGroup`)."""
+        weights = [cast(torch.Tensor, module._parameters["weight"]) for module in members]
+        group = PackedGroup(torch.cat([weight.detach() for weight in weights]), rows, [w.shape[0] for w in weights])
+        self._groups.append(group)
+        for index, module in enumerate(members):
+            self._pack(module, PackedSibling(group, index))
+
+    def _pack(self, module: torch.nn.Module, packed: Packed | PackedSibling) -> None:
+        weight = cast(torch.nn.Parameter, module._parameters["weight"])
+        module.__dict__[PACKED] = packed
         _release_pages(weight)
         weight.data = weight.data.new_empty(0)  # the dense bytes are freed; the parameter stays the same object
         handles = [
@@ -248,7 +355,7 @@ class FewRowLinears:
 
     def _packed_forward(
         self,
-        packed: Packed,
+        packed: Packed | PackedSibling,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -268,6 +375,8 @@ class FewRowLinears:
         )
         if needs_dense:  # oneDNN's op has no autograd formula and no autocast rule
             output = F.linear(rows, packed.dense(), bias)
+        elif isinstance(packed, PackedSibling):  # (siblings are packed only without biases)
+            output = packed.group.product(rows, packed.index)[:, packed.start : packed.end]
         else:
             output = torch.ops.mkldnn._linear_pointwise(rows, packed.tensor, bias, "none", [], "")
         if self._on and addition is not None:
@@ -285,6 +394,8 @@ class FewRowLinears:
             completed = True
         finally:
             self._on = False
+            for group in self._groups:
+                group.clear()  # no input or product is kept from one pass to the next
             # A trial is recorded if a dense linear was timed in it (packed ones use neither kernel).
             if completed and self._pass is not None and self._pass[2] and self._pass_timed:
                 self.kernel.record(self._pass[0], self._pass[1], self._pass_seconds)
@@ -298,7 +409,7 @@ class FewRowLinears:
                 weight.data = packed.dense()
             for handle in handles:
                 handle.remove()
-        self._packed = []
+        self._packed, self._groups = [], []
         for module, previous in reversed(self._patched):
             if previous is None:
                 del module.__dict__["forward"]  # the class's forward again
@@ -357,6 +468,25 @@ def _libc() -> ctypes.CDLL:
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     libc.madvise.restype = ctypes.c_int
     return libc
+
+
+def _sibling_groups(model: torch.nn.Module, modules: list[torch.nn.Module]) -> list[list[torch.nn.Module]]:
+    """Of `modules`, the siblings named in `SAME_INPUT` under one parent, with one input size and no bias."""
+    wanted = {id(module) for module in modules}
+    by_parent: dict[tuple[str, int], list[torch.nn.Module]] = {}
+    for path, module in model.named_modules():
+        if id(module) not in wanted or module._parameters.get("bias") is not None:
+            continue
+        parent, _, name = path.rpartition(".")
+        for index, names in enumerate(SAME_INPUT):
+            if name in names:
+                by_parent.setdefault((parent, index), []).append(module)
+    groups = []
+    for members in by_parent.values():
+        sizes = {cast(torch.Tensor, module._parameters["weight"]).shape[1] for module in members}
+        if len(members) > 1 and len(sizes) == 1:
+            groups.append(members)
+    return groups
 
 
 def _weights_held_once(model: torch.nn.Module) -> set[int]:

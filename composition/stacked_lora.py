@@ -34,13 +34,10 @@ from typing import Any, cast
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-from mergecompose.composition.few_rows import FewRowKernel, FewRowLinears
+from mergecompose.composition.few_rows import SAME_INPUT, FewRowKernel, FewRowLinears, reads_same, version_of
 
 # Up to this many expert rows, the LoRA products take the side-by-side path (module docstring).
 _FEW_EXPERT_ROWS = 64
-# Sibling linears that read the same input in the architectures transformers ships: their side-by-side A
-# factors are stored as one matrix, and one product serves all of them (checked at run time, `_SharedInput`).
-_SAME_INPUT = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"query", "key", "value"}, {"w1", "w3"})
 
 
 class _Factors:
@@ -85,22 +82,9 @@ class _SharedInput:
         self.hidden: torch.Tensor | None = None
 
     def reads(self, x: torch.Tensor) -> bool:
-        """True if `x` is the input the product was computed from, unchanged: the same memory, layout and version.
-
-        Each linear is given its own view of the input (a reshape), so identity says nothing; the kept view
-        holds that memory, so another tensor cannot have been given its address meanwhile. An inference tensor
-        (made under `torch.inference_mode`) has no version counter: an in-place change to it could not be
-        seen, so its product is never reused (each sibling computes its own)."""
-        kept = self.x
-        return (
-            kept is not None
-            and self.version is not None
-            and kept.data_ptr() == x.data_ptr()
-            and kept.shape == x.shape
-            and kept.stride() == x.stride()
-            and kept.dtype == x.dtype
-            and self.version == x._version
-        )
+        """True if `x` is the input the product was computed from, unchanged (`few_rows.reads_same`): an inference
+        tensor never is, so each sibling then computes its own product."""
+        return reads_same(self.x, self.version, x)
 
     def clear(self) -> None:
         self.x, self.hidden = None, None
@@ -216,7 +200,7 @@ class StackedLoRA:
             hidden = torch.mm(x, group.a_side)
             ranks = tuple(member.rank for member in group.members)
             group.hidden = hidden.mul_(self._mask(rows, ranks, factors.index.shape[0], hidden))
-            group.x, group.version = x, None if x.is_inference() else x._version
+            group.x, group.version = x, version_of(x)
         return group.hidden
 
     def _mask(self, rows: int, ranks: tuple[int, ...], p: int, like: torch.Tensor) -> torch.Tensor:
@@ -264,11 +248,11 @@ class StackedLoRA:
 
 
 def _same_input_groups(stacked: dict[str, _Factors]) -> list[_SharedInput]:
-    """Siblings named in `_SAME_INPUT` with all experts present and one dtype, device and input size."""
+    """Siblings named in `SAME_INPUT` with all experts present and one dtype, device and input size."""
     by_parent: dict[tuple[str, int], list[tuple[str, _Factors]]] = {}
     for path, factors in stacked.items():
         parent, _, name = path.rpartition(".")
-        for index, names in enumerate(_SAME_INPUT):
+        for index, names in enumerate(SAME_INPUT):
             if name in names and factors.complete:
                 by_parent.setdefault((parent, index), []).append((path, factors))
     groups = []

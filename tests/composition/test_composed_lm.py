@@ -87,7 +87,9 @@ def test_from_adapters_keeps_one_copy_of_the_base(implementation, tiny_config, l
     model = composed.backend.model
     base_weights = [p for n, p in model.named_parameters() if "lora_" not in n]
     # The stacked path holds the linears' weights packed (few_rows.py): their parameters are empty meanwhile.
-    packed = [m.__dict__[PACKED].tensor for m in model.modules() if PACKED in m.__dict__]
+    held_packed = [m.__dict__[PACKED] for m in model.modules() if PACKED in m.__dict__]
+    # Siblings (q/k/v, gate/up) share one packed tensor.
+    packed = list({id(p): p for p in (getattr(h, "group", h).tensor for h in held_packed)}.values())
     assert (implementation == "stacked") == bool(packed)
     # One set of base weights (embedding + 2 layers + norm + head); LoRA factors are small.
     held = sum(p.numel() for p in base_weights) + sum(t.numel() for t in packed)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM, few_rows
-from mergecompose.composition.few_rows import PACKED
+from mergecompose.composition.few_rows import PACKED, Packed, PackedSibling
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 from mergecompose.merging import TaskVector
 
@@ -144,3 +144,60 @@ def test_a_state_dict_loaded_while_packed_is_kept_at_close(tiny_config, lora_dir
     composed.close()
     for name, tensor in other.state_dict().items():
         assert torch.equal(base.state_dict()[name], tensor), name
+
+
+def test_siblings_that_read_one_input_are_one_packed_product(tiny_config, lora_dirs, monkeypatch):
+    """q/k/v and gate/up are packed as one matrix each: a forward runs 4 oneDNN products a layer, not 7."""
+    base = random_llama(tiny_config, seed=0)
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    layer = base.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    held = {name: getattr(attention, name).__dict__[PACKED] for name in ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    held.update({name: getattr(mlp, name).__dict__[PACKED] for name in ["gate_proj", "up_proj", "down_proj"]})
+    assert all(isinstance(held[name], PackedSibling) for name in ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
+    assert held["q_proj"].group is held["k_proj"].group is held["v_proj"].group
+    assert held["gate_proj"].group is held["up_proj"].group is not held["q_proj"].group
+    assert isinstance(held["o_proj"], Packed) and isinstance(held["down_proj"], Packed)
+    products = []
+    linear = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: products.append(1) or linear(*args))
+    composed.logprobs(torch.tensor([[4, 5, 6, 7]]), torch.ones(1, 4, dtype=torch.long))
+    # 2 layers x (q/k/v, o, gate/up, down) and the output layer's dense product.
+    assert len(products) == 2 * 4 + 1
+    composed.close()
+
+
+def test_a_sibling_computes_anew_what_it_cannot_take(tiny_config, lora_dirs):
+    """A sibling takes its columns of the kept product only for the same input, unchanged, and only once."""
+    base = random_llama(tiny_config, seed=0)
+    reference = random_llama(tiny_config, seed=0)
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    attention, expected = base.model.layers[1].self_attn, reference.model.layers[1].self_attn
+    x, other = torch.randn(3, tiny_config.hidden_size), torch.randn(3, tiny_config.hidden_size)
+    with torch.no_grad():
+
+        def check(name, value):
+            got, want = getattr(attention, name)(value), getattr(expected, name)(value)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+        check("q_proj", x)
+        check("q_proj", x)  # its columns a second time
+        check("k_proj", x)  # taken from the kept product
+        x.mul_(2.0)  # changed in place, the same memory: the version counter moves
+        check("v_proj", x)
+        check("k_proj", other)  # another input
+        check("q_proj", x)
+    composed.close()
+
+
+def test_siblings_deep_copied_together_share_their_copy(tiny_config, lora_dirs):
+    base = random_llama(tiny_config, seed=0)
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    copied = copy.deepcopy(base)
+    original = base.model.layers[0].self_attn
+    attention = copied.model.layers[0].self_attn
+    group = attention.q_proj.__dict__[PACKED].group
+    assert group is attention.k_proj.__dict__[PACKED].group is attention.v_proj.__dict__[PACKED].group
+    assert group is not original.q_proj.__dict__[PACKED].group
+    composed.close()
+    assert torch.equal(attention.q_proj.__dict__[PACKED].dense(), original.q_proj.weight)
