@@ -51,8 +51,9 @@ from transformers import PreTrainedModel
 # outside it, with F.linear's x @ Wᵀ.
 TUNED_ROWS = range(2, 65)
 
-# What is added to a linear's output after the product, e.g. LoRA products: (x (N, in), output (N, out)) -> output.
-Addition = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# What is added to a linear's output after the product, e.g. LoRA products: (x (N, in), output (N, out), extra) ->
+# output; `extra` is x Eᵀ (N, e) for the module's extra rows E (`FewRowLinears`), or None where it was not computed.
+Addition = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 # The instance attribute of a module whose weight is packed (`Packed`).
 PACKED = "_few_rows_packed"
@@ -115,14 +116,16 @@ def version_of(x: torch.Tensor) -> int | None:
 
 
 class PackedGroup:
-    """Siblings' weights stacked, [W_1; W_2; …] (Σ out, in), and packed as one: one oneDNN product serves them all.
+    """Siblings' weights stacked, [W_1; W_2; …; E] (Σ out + e, in), and packed as one: one oneDNN product serves them.
 
-    The first sibling to run computes x [W_1; W_2; …]ᵀ; each sibling then given the same input unchanged
+    The first sibling to run computes x [W_1; W_2; …; E]ᵀ; each sibling then given the same input unchanged
     (`reads_same`) takes its columns of it, once; a sibling given another input, or its own columns a second
-    time, computes the product anew."""
+    time, computes the product anew. E (e, in), optional, are extra rows that one member's addition reads (the
+    LoRA factors A of stacked_lora.py): their product comes with the weights' for the cost of their bytes.
+    A group may have one member, with extra rows."""
 
-    def __init__(self, dense: torch.Tensor, rows: int, sizes: list[int]) -> None:
-        self.rows, self.sizes = rows, sizes
+    def __init__(self, dense: torch.Tensor, rows: int, sizes: list[int], extra: tuple[int, int] | None = None) -> None:
+        self.rows, self.sizes, self.extra = rows, sizes, extra  # extra: (the member that reads them, e)
         self.tensor = torch.ops.mkldnn._reorder_linear_weight(dense.detach(), rows)
         self.x: torch.Tensor | None = None  # the input of the kept product, its version, the product
         self.version: int | None = None
@@ -150,7 +153,7 @@ class PackedGroup:
         self.x, self.version, self.output, self.taken = None, None, None, set()
 
     def __deepcopy__(self, memo: dict) -> PackedGroup:
-        return PackedGroup(self.dense(), self.rows, self.sizes)  # an opaque tensor has no storage to copy
+        return PackedGroup(self.dense(), self.rows, self.sizes, self.extra)  # an opaque tensor has no storage
 
 
 class PackedSibling:
@@ -160,6 +163,11 @@ class PackedSibling:
         self.group, self.index = group, index
         self.start = sum(group.sizes[:index])
         self.end = self.start + group.sizes[index]
+        # The columns of the group's extra rows, if this member reads them.
+        self.extra: slice | None = None
+        if group.extra is not None and group.extra[0] == index:
+            total = sum(group.sizes)
+            self.extra = slice(total, total + group.extra[1])
 
     def dense(self) -> torch.Tensor:
         """This module's weight in its ordinary layout: a new tensor, equal bit for bit to the one packed."""
@@ -233,6 +241,8 @@ class FewRowLinears:
         kernel: the choice to use and update (shared by the models of one backend); default a new one.
         pack_model: the model that holds `linears`: pack their weights (module docstring), for passes of about
             `pack_rows` rows; None: leave them dense.
+        extra_rows: by module, rows E (e, in) packed with its weight (`PackedGroup`): its addition is given x Eᵀ
+            when the packed product computed it, None otherwise.
     """
 
     def __init__(
@@ -242,6 +252,7 @@ class FewRowLinears:
         *,
         pack_model: torch.nn.Module | None = None,
         pack_rows: int = 1,
+        extra_rows: dict[torch.nn.Module, torch.Tensor] | None = None,
     ):
         self.kernel = FewRowKernel() if kernel is None else kernel
         self._on = False
@@ -276,16 +287,35 @@ class FewRowLinears:
                 and id(module._parameters["weight"]) in held
                 and can_pack(cast(torch.Tensor, module._parameters["weight"]))
             ]
+            extras = extra_rows or {}
             for members in _sibling_groups(pack_model, packable):
-                self._pack_siblings(members, pack_rows)
+                self._pack_siblings(members, pack_rows, extras)
             for alone in packable:
-                if PACKED not in alone.__dict__:
+                if PACKED in alone.__dict__:
+                    continue
+                if alone in extras and alone._parameters.get("bias") is None:
+                    self._pack_siblings([alone], pack_rows, extras)
+                else:
                     self._pack(alone, Packed(cast(torch.Tensor, alone._parameters["weight"]).data, pack_rows))
+            _trim_heap()
 
-    def _pack_siblings(self, members: list[torch.nn.Module], rows: int) -> None:
-        """Pack siblings that read one input as one matrix (`PackedGroup`)."""
+    def _pack_siblings(
+        self, members: list[torch.nn.Module], rows: int, extras: dict[torch.nn.Module, torch.Tensor]
+    ) -> None:
+        """Pack siblings that read one input as one matrix (`PackedGroup`), with the extra rows of the first member
+        that has any (of the same dtype and input size)."""
         weights = [cast(torch.Tensor, module._parameters["weight"]) for module in members]
-        group = PackedGroup(torch.cat([weight.detach() for weight in weights]), rows, [w.shape[0] for w in weights])
+        sizes, extra = [weight.shape[0] for weight in weights], None
+        blocks = [weight.detach() for weight in weights]
+        for index, module in enumerate(members):
+            rows_e = extras.get(module)
+            if rows_e is not None and rows_e.dtype == blocks[0].dtype and rows_e.shape[1:] == blocks[0].shape[1:]:
+                blocks.append(rows_e.detach())
+                extra = (index, rows_e.shape[0])
+                break
+        group = PackedGroup(torch.cat(blocks), rows, sizes, extra)
+        # No other tensor may hold the weights' storage when `_pack` releases their pages.
+        del weights, blocks
         self._groups.append(group)
         for index, module in enumerate(members):
             self._pack(module, PackedSibling(group, index))
@@ -340,7 +370,7 @@ class FewRowLinears:
                 self._pass_seconds += time.perf_counter() - started
                 self._pass_timed += 1
             if addition is not None:
-                output = addition(rows, output)
+                output = addition(rows, output, None)
             return output.view(*x.shape[:-1], output.shape[-1])
 
         return forward
@@ -373,14 +403,18 @@ class FewRowLinears:
                 and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
             )
         )
+        extra = None
         if needs_dense:  # oneDNN's op has no autograd formula and no autocast rule
             output = F.linear(rows, packed.dense(), bias)
         elif isinstance(packed, PackedSibling):  # (siblings are packed only without biases)
-            output = packed.group.product(rows, packed.index)[:, packed.start : packed.end]
+            product = packed.group.product(rows, packed.index)
+            output = product[:, packed.start : packed.end]
+            if packed.extra is not None:
+                extra = product[:, packed.extra]
         else:
             output = torch.ops.mkldnn._linear_pointwise(rows, packed.tensor, bias, "none", [], "")
         if self._on and addition is not None:
-            output = addition(rows, output)
+            output = addition(rows, output, extra)
         return output.view(*x.shape[:-1], output.shape[-1])
 
     @contextlib.contextmanager
@@ -460,6 +494,13 @@ def _release_pages(weight: torch.Tensor) -> None:
 
 
 _MADV_DONTNEED = 4
+
+
+def _trim_heap() -> None:
+    """Give the free memory of the C heap back to the system (glibc's `malloc_trim`, Linux): packing copies each
+    group's weights into a temporary matrix, and the heap keeps the pages of those it freed."""
+    if sys.platform.startswith("linux") and hasattr(_libc(), "malloc_trim"):
+        _libc().malloc_trim(0)
 
 
 @functools.cache

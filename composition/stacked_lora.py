@@ -15,8 +15,10 @@ factors are laid side by side, A = [A_1 | … | A_k] (in, k·r) and B = [B_1; �
     y += ((x A) ⊙ M) B      (M keeps, in the rows of expert i, its r columns; in the base's rows, none)
 
 which is two plain matrix products and one product with a 0/1 mask, whatever k is; the base's rows add
-exactly zero. Siblings that read one input (q, k, v) share the product x A of all their columns, and
-each one multiplies its own columns of it (a strided view, no copy) by its own B in one `addmm_`.
+exactly zero. Siblings that read one input (q, k, v) share the product x A of all their columns, and each
+one multiplies its own columns of it (a strided view, no copy) by its own B in one `addmm_`. Where the base's
+weights are packed (few_rows.py), A is packed with them as extra rows, so x A comes out of the base's own
+product, with no call of its own.
 
 The factors come from the adapters that peft loaded; the LoRA layers are then unloaded
 (`PeftModel.unload`, no merge) so the base model is plain again, and the replaced forwards of the base
@@ -130,16 +132,22 @@ class StackedLoRA:
         self.model = peft_model.unload()  # the base model with its original layers, unmerged
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         linears = []
+        extra_rows: dict[torch.nn.Module, torch.Tensor] = {}  # the A factors, packed with the base weights
         for path, module in self.model.named_modules():
             if isinstance(module, torch.nn.Linear):
                 factors = stacked.get(path)
                 addition = None if factors is None else functools.partial(self._add_products, factors=factors)
                 linears.append((module, addition))
+                if factors is not None and factors.complete:
+                    if factors.group is None:
+                        extra_rows[module] = factors.a_side.T
+                    elif factors is factors.group.members[0]:
+                        extra_rows[module] = factors.group.a_side.T
             elif path in stacked:  # e.g. GPT-2's Conv1D: keep its forward, add the products after it
                 self._handles.append(module.register_forward_hook(self._hook(stacked[path])))
         # The shared base's linears run over (k+1)·B rows at a decoding step: their weights packed where oneDNN
         # can (the base's own bytes, reordered in place until `close()`), else the few-row kernel (few_rows.py).
-        self.linears = FewRowLinears(linears, pack_model=self.model, pack_rows=self.n_components)
+        self.linears = FewRowLinears(linears, pack_model=self.model, pack_rows=self.n_components, extra_rows=extra_rows)
 
     @property
     def few_rows(self) -> FewRowKernel:
@@ -169,13 +177,18 @@ class StackedLoRA:
         index = torch.tensor([i + 1 for i in present], device=weight.device)
         return _Factors(a_side, b_side, index, self.n_components - 1)
 
-    def _add_products(self, x: torch.Tensor, output: torch.Tensor, factors: _Factors) -> torch.Tensor:
-        """output[expert rows] += s_i B_i A_i x[expert rows], in place; x (N, in), output (N, out), N = (k+1)·B·T."""
+    def _add_products(
+        self, x: torch.Tensor, output: torch.Tensor, extra: torch.Tensor | None = None, *, factors: _Factors
+    ) -> torch.Tensor:
+        """output[expert rows] += s_i B_i A_i x[expert rows], in place; x (N, in), output (N, out), N = (k+1)·B·T.
+
+        `extra`: x A of this module's (or its group's) side-by-side factors, where the packed base product computed
+        it with the weights (few_rows.py, `extra_rows`); None: computed here."""
         n = self.n_components
         rows = x.shape[0] // n  # B·T, the rows of one component
         if factors.complete and (n - 1) * rows <= _FEW_EXPERT_ROWS and x.dtype == factors.a_side.dtype == output.dtype:
             # The base rows of the product are zeros: they add exactly 0 to the base's outputs.
-            hidden = self._side_by_side(x, rows, factors)  # (N, Σ p·r): a group's product holds the siblings' too
+            hidden = self._side_by_side(x, rows, factors, extra)  # (N, Σ p·r): a group's holds the siblings' too
             output.addmm_(hidden if factors.group is None else hidden[:, factors.columns], factors.b_side)
             return output
         xs = x.view(n, rows, x.shape[-1])  # (k+1, B·T, in)
@@ -188,16 +201,19 @@ class StackedLoRA:
             out.index_add_(0, factors.index, delta.to(out.dtype))
         return output
 
-    def _side_by_side(self, x: torch.Tensor, rows: int, factors: _Factors) -> torch.Tensor:
+    def _side_by_side(
+        self, x: torch.Tensor, rows: int, factors: _Factors, extra: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(x A) ⊙ M, (N, Σ p·r): each expert's rows keep its own r columns, the base's rows none (module docstring).
 
-        In a group, the product of all siblings' columns (each member reads its own `columns` of it)."""
+        In a group, the product of all siblings' columns (each member reads its own `columns` of it). `extra`, if
+        given, is x A already computed (`_add_products`), and is masked in place."""
         group = factors.group
         if group is None:
-            hidden = torch.mm(x, factors.a_side)
+            hidden = torch.mm(x, factors.a_side) if extra is None else extra
             return hidden.mul_(self._mask(rows, (factors.rank,), factors.index.shape[0], hidden))
         if group.hidden is None or not group.reads(x):
-            hidden = torch.mm(x, group.a_side)
+            hidden = torch.mm(x, group.a_side) if extra is None else extra
             ranks = tuple(member.rank for member in group.members)
             group.hidden = hidden.mul_(self._mask(rows, ranks, factors.index.shape[0], hidden))
             group.x, group.version = x, version_of(x)
@@ -223,7 +239,7 @@ class StackedLoRA:
             if not self._on:
                 return output
             x = args[0].reshape(-1, args[0].shape[-1])
-            return self._add_products(x, output.view(-1, output.shape[-1]), factors).view(output.shape)
+            return self._add_products(x, output.view(-1, output.shape[-1]), factors=factors).view(output.shape)
 
         return add_lora
 

@@ -70,9 +70,9 @@ def test_a_deep_copy_made_while_packed_computes_on_its_own(tiny_config, lora_dir
     ids = torch.tensor([[4, 5, 6, 7]])
     with torch.no_grad():
         torch.testing.assert_close(copied(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
-        copied.model.layers[0].mlp.down_proj.__dict__[PACKED].tensor = torch.ops.mkldnn._reorder_linear_weight(
-            torch.zeros(tiny_config.hidden_size, tiny_config.intermediate_size), 1
-        )
+        held = copied.model.layers[0].mlp.down_proj.__dict__[PACKED]
+        held = getattr(held, "group", held)  # packed alone, or with the LoRA factors A (a group of one)
+        held.tensor = torch.ops.mkldnn._reorder_linear_weight(torch.zeros_like(held.dense()), 1)
         assert (copied(ids).logits - reference(ids).logits).abs().max() > 1e-3  # the copy's own weights serve it
         torch.testing.assert_close(base(ids).logits, reference(ids).logits, rtol=0, atol=0)  # the original is back
 
@@ -147,7 +147,8 @@ def test_a_state_dict_loaded_while_packed_is_kept_at_close(tiny_config, lora_dir
 
 
 def test_siblings_that_read_one_input_are_one_packed_product(tiny_config, lora_dirs, monkeypatch):
-    """q/k/v and gate/up are packed as one matrix each: a forward runs 4 oneDNN products a layer, not 7."""
+    """q/k/v and gate/up are packed as one matrix each: a forward runs 4 oneDNN products a layer, not 7 (and not 9
+    for the A products of q/v and down, packed with the weights)."""
     base = random_llama(tiny_config, seed=0)
     composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
     layer = base.model.layers[0]
@@ -157,7 +158,12 @@ def test_siblings_that_read_one_input_are_one_packed_product(tiny_config, lora_d
     assert all(isinstance(held[name], PackedSibling) for name in ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
     assert held["q_proj"].group is held["k_proj"].group is held["v_proj"].group
     assert held["gate_proj"].group is held["up_proj"].group is not held["q_proj"].group
-    assert isinstance(held["o_proj"], Packed) and isinstance(held["down_proj"], Packed)
+    # The LoRA factors A of modules that both experts adapt are packed with the weights (stacked_lora.py): q/v's
+    # side by side after q/k/v's weights, read by q; down's with its weight, a group of one. Only one expert adapts
+    # o, and neither gate nor up: no extra rows.
+    assert held["q_proj"].extra is not None and held["k_proj"].extra is None and held["v_proj"].extra is None
+    assert held["down_proj"].group.sizes == [tiny_config.hidden_size] and held["down_proj"].extra is not None
+    assert isinstance(held["o_proj"], Packed) and held["gate_proj"].group.extra is None
     products = []
     linear = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *args: products.append(1) or linear(*args))

@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-from mergecompose.composition import ComposedLM
+from mergecompose.composition import ComposedLM, few_rows
 from mergecompose.core.tiny import random_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -19,6 +19,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture
 def composition(tiny_config, lora_dirs):
     lm = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
+    yield lm
+    lm.close()
+
+
+@pytest.fixture
+def dense_composition(tiny_config, lora_dirs, monkeypatch):
+    """The base's weights left dense (as where oneDNN cannot pack them): the A products are computed by `mm`."""
+    with monkeypatch.context() as patch:
+        patch.setattr(few_rows, "can_pack", lambda weight: False)
+        lm = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
     yield lm
     lm.close()
 
@@ -40,15 +50,29 @@ def _products_of_groups(composition, run):
     return counts
 
 
-def test_siblings_share_one_product_a_pass(composition):
-    groups = composition.backend.stacked._groups
-    assert groups  # both adapters put LoRA on q_proj and v_proj: a group per layer
+def _step_products(composition):
     step = torch.tensor([[5], [7]])  # (B, 1): a decoding step's rows
     with torch.no_grad():
-        counts = _products_of_groups(
+        return _products_of_groups(
             composition, lambda: composition.backend.forward(step, torch.ones_like(step), torch.zeros_like(step))
         )
-    assert counts == [1] * len(groups)  # one product for q and v, not one each
+
+
+def test_siblings_share_one_product_a_pass(dense_composition):
+    groups = dense_composition.backend.stacked._groups
+    assert groups  # both adapters put LoRA on q_proj and v_proj: a group per layer
+    assert _step_products(dense_composition) == [1] * len(groups)  # one product for q and v, not one each
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+def test_packed_weights_compute_the_a_products_with_the_base(composition, dense_composition):
+    """Where the base is packed, x A comes out of the base's product (few_rows.py, extra rows): no `mm` for it,
+    and the same logits as the dense composition's."""
+    assert _step_products(composition) == [0] * len(composition.backend.stacked._groups)
+    ids, mask = torch.tensor([[4, 5, 6, 7], [0, 8, 9, 10]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    torch.testing.assert_close(
+        composition.logprobs(ids, mask), dense_composition.logprobs(ids, mask), rtol=0, atol=1e-5
+    )
 
 
 def test_a_changed_input_is_not_reused(composition):
@@ -79,8 +103,10 @@ def test_decoding_under_inference_mode_equals_no_grad(composition):
             composition, lambda: composition.backend.forward(step, torch.ones_like(step), torch.zeros_like(step))
         )
     assert torch.equal(got, expected)
-    members = [len(group.members) for group in composition.backend.stacked._groups]
-    assert counts == members  # one product per sibling: none reused
+    # One product per sibling, none reused; where the base is packed, the first sibling's comes with the base's.
+    packed = torch.backends.mkldnn.is_available()
+    members = [len(group.members) - packed for group in composition.backend.stacked._groups]
+    assert counts == members
     group = composition.backend.stacked._groups[0]
     with torch.inference_mode():
         x = torch.randn(6, group.a_side.shape[0])
