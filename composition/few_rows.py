@@ -41,7 +41,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,8 @@ TUNED_ROWS = range(2, 65)
 # What is added to a linear's output after the product, e.g. LoRA products: (x (N, in), output (N, out), extra) ->
 # output; `extra` is x Eᵀ (N, e) for the module's extra rows E (`FewRowLinears`), or None where it was not computed.
 Addition = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+T = TypeVar("T")
 
 # The instance attribute of a module whose weight is packed (`Packed`).
 PACKED = "_few_rows_packed"
@@ -511,23 +513,31 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _sibling_groups(model: torch.nn.Module, modules: list[torch.nn.Module]) -> list[list[torch.nn.Module]]:
-    """Of `modules`, the siblings named in `SAME_INPUT` under one parent, with one input size and no bias."""
-    wanted = {id(module) for module in modules}
-    by_parent: dict[tuple[str, int], list[torch.nn.Module]] = {}
-    for path, module in model.named_modules():
-        if id(module) not in wanted or module._parameters.get("bias") is not None:
-            continue
+def same_input_siblings(items: Iterable[tuple[str, T]]) -> list[list[T]]:
+    """Of `(module path, item)` pairs, the items of siblings named in `SAME_INPUT` under one parent, two or more,
+    in the order given."""
+    by_parent: dict[tuple[str, int], list[T]] = {}
+    for path, item in items:
         parent, _, name = path.rpartition(".")
         for index, names in enumerate(SAME_INPUT):
             if name in names:
-                by_parent.setdefault((parent, index), []).append(module)
-    groups = []
-    for members in by_parent.values():
-        sizes = {cast(torch.Tensor, module._parameters["weight"]).shape[1] for module in members}
-        if len(members) > 1 and len(sizes) == 1:
-            groups.append(members)
-    return groups
+                by_parent.setdefault((parent, index), []).append(item)
+    return [members for members in by_parent.values() if len(members) > 1]
+
+
+def _sibling_groups(model: torch.nn.Module, modules: list[torch.nn.Module]) -> list[list[torch.nn.Module]]:
+    """Of `modules`, the siblings named in `SAME_INPUT` under one parent, with one input size and no bias."""
+    wanted = {id(module) for module in modules}
+    candidates = (
+        (path, module)
+        for path, module in model.named_modules()
+        if id(module) in wanted and module._parameters.get("bias") is None
+    )
+    return [
+        members
+        for members in same_input_siblings(candidates)
+        if len({cast(torch.Tensor, module._parameters["weight"]).shape[1] for module in members}) == 1
+    ]
 
 
 def _weights_held_once(model: torch.nn.Module) -> set[int]:

@@ -36,7 +36,13 @@ from typing import Any, cast
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-from mergecompose.composition.few_rows import SAME_INPUT, FewRowKernel, FewRowLinears, reads_same, version_of
+from mergecompose.composition.few_rows import (
+    FewRowKernel,
+    FewRowLinears,
+    reads_same,
+    same_input_siblings,
+    version_of,
+)
 
 # Up to this many expert rows, the LoRA products take the side-by-side path (module docstring).
 _FEW_EXPERT_ROWS = 64
@@ -265,21 +271,14 @@ class StackedLoRA:
 
 def _same_input_groups(stacked: dict[str, _Factors]) -> list[_SharedInput]:
     """Siblings named in `SAME_INPUT` with all experts present and one dtype, device and input size."""
-    by_parent: dict[tuple[str, int], list[tuple[str, _Factors]]] = {}
-    for path, factors in stacked.items():
-        parent, _, name = path.rpartition(".")
-        for index, names in enumerate(SAME_INPUT):
-            if name in names and factors.complete:
-                by_parent.setdefault((parent, index), []).append((path, factors))
     groups = []
-    for members in by_parent.values():
-        first = members[0][1].a_side
-        same = all(
+    for members in same_input_siblings((path, factors) for path, factors in stacked.items() if factors.complete):
+        first = members[0].a_side
+        if all(
             f.a_side.shape[0] == first.shape[0] and f.a_side.dtype == first.dtype and f.a_side.device == first.device
-            for _, f in members
-        )
-        if len(members) > 1 and same:
-            groups.append(_SharedInput([factors for _, factors in members]))
+            for f in members
+        ):
+            groups.append(_SharedInput(members))
     return groups
 
 
