@@ -61,7 +61,8 @@ if all(importlib.util.find_spec(name) is not None for name in ("lm_eval", "gguf"
 
 BAR = 0.99  # the bar for components and for the composition
 
-COMPARE_FOLDER = FolderLayout("a compare run folder")
+# config.yaml is written before results.json, so a run killed between the two leaves it beside the checkpoints.
+COMPARE_FOLDER = FolderLayout("a compare run folder", cached=("checkpoints", "config.yaml"))
 
 
 @dataclass

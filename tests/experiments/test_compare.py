@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -201,6 +202,19 @@ def test_refuses_a_folder_of_another_config_or_no_run(small_run, tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not a compare run folder"):
         run_compare(config, tmp_path, progress=False, echo=None)
+
+
+def test_a_folder_left_by_a_run_killed_before_its_results_is_taken_again(small_run, tmp_path):
+    """config.yaml is written before results.json: a run killed between them leaves it beside the checkpoints."""
+    config, _, out_dir, results, _ = small_run
+    out = tmp_path / "killed"
+    shutil.copytree(out_dir / "checkpoints", out / "checkpoints")
+    shutil.copyfile(out_dir / "config.yaml", out / "config.yaml")
+    again = run_compare(config, out, progress=False, echo=None)
+    assert all(record["cached"] for record in again["training"].values())
+    assert {name: record["splits"] for name, record in again["systems"].items()} == {
+        name: record["splits"] for name, record in results["systems"].items()
+    }
 
 
 def test_aligned_from_scratch_and_a_results_section(tmp_path):
