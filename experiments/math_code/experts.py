@@ -73,6 +73,9 @@ class ExpertRecipe(BaseModel):
     # Math only: each procedural train template taken this many times a turn (`math_split`); 1: every
     # template's share equal (the 12 fixed templates then make 3/4 of the problems).
     procedural_weight: int = Field(1, ge=1)
+    # Math only: the train template `problem_types` (the standard types of one-step word problems, chained)
+    # added, this many times a turn (`math_split`); 0: the train split's templates only.
+    types_weight: int = Field(0, ge=0)
     samples: int = Field(4, ge=1)
     temperature: float = Field(0.7, gt=0)
     max_new_tokens: int = Field(256, ge=1)
@@ -83,6 +86,8 @@ class ExpertRecipe(BaseModel):
             raise ValueError(f"`arithmetic` must be 'direct' for a {self.skill} expert, got {self.arithmetic!r}")
         if self.procedural_weight != 1 and self.skill != "math":
             raise ValueError(f"`procedural_weight` must be 1 for a {self.skill} expert, got {self.procedural_weight}")
+        if self.types_weight != 0 and self.skill != "math":
+            raise ValueError(f"`types_weight` must be 0 for a {self.skill} expert, got {self.types_weight}")
         return self
 
 
@@ -97,14 +102,15 @@ def _autocast(recipe: ExpertRecipe) -> torch.dtype | None:
     return torch.bfloat16 if resolved(recipe).autocast == "bfloat16" else None
 
 
+def _math_train_problems(recipe: ExpertRecipe) -> list:
+    return math_split("train", recipe.examples, recipe.seed, recipe.procedural_weight, recipe.types_weight)
+
+
 def training_pairs(recipe: ExpertRecipe) -> list[tuple[str, str]]:
     """The recipe's (prompt, reference answer) conversations: `examples` distinct train-split problems of its skill."""
     if recipe.skill == "math":
         worked = expanded_arithmetic if recipe.arithmetic == "expanded" else str
-        return [
-            (problem.prompt, worked(problem.solution))
-            for problem in math_split("train", recipe.examples, recipe.seed, recipe.procedural_weight)
-        ]
+        return [(problem.prompt, worked(problem.solution)) for problem in _math_train_problems(recipe)]
     return [(problem.prompt, problem.answer) for problem in code_split("train", recipe.examples, recipe.seed)]
 
 
@@ -112,7 +118,7 @@ def sampled_pairs(model, tokenizer, recipe: ExpertRecipe, batch_size: int = 32) 
     """The base's own right answers to the recipe's train problems: `samples` completions per problem drawn at
     `temperature` (seeded), kept where their lenient score passes (distinct answers only); and the counts."""
     if recipe.skill == "math":
-        problems: list = math_split("train", recipe.examples, recipe.seed, recipe.procedural_weight)
+        problems: list = _math_train_problems(recipe)
     else:
         problems = code_split("train", recipe.examples, recipe.seed)
     prompts = [problem.prompt for problem in problems for _ in range(recipe.samples)]
@@ -151,7 +157,8 @@ def sampled_pairs(model, tokenizer, recipe: ExpertRecipe, batch_size: int = 32) 
     return pairs, counts
 
 
-KEYED_SINCE = {"procedural_weight": 1}  # fields added after experts were cached: keyed only away from these values
+# Fields added after experts were cached: keyed only away from these values.
+KEYED_SINCE = {"procedural_weight": 1, "types_weight": 0}
 
 
 def recipe_key(recipe: ExpertRecipe) -> dict:

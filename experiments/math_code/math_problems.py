@@ -398,6 +398,106 @@ def comparison(rng: random.Random, name: str) -> Story:
     return " ".join(sentences), steps, c
 
 
+# The standard types of one-step word problems, chained (`problem_types`): an optional train template
+# (`math_split(..., types_weight=w)`), not part of the default train split.
+
+PLACES = ("shelf", "box", "album", "jar", "cupboard", "drawer", "basket", "case")
+KEEPERS = ("a teacher", "the club", "the library", "a neighbour", "the school")
+PARTS = ((2, "half"), (3, "a third"), (4, "a quarter"))
+
+
+def problem_types(rng: random.Random, name: str) -> Story:
+    """A story of `_one_type_story` with at least two steps."""
+    while True:
+        question, steps, answer = _one_type_story(rng, name)
+        if len(steps) >= 2:
+            return question, steps, answer
+
+
+def _one_type_story(rng: random.Random, name: str) -> Story:
+    """A start (given, equal groups, or two amounts joined), maybe a change (join, separate, a fraction given
+    away), then a question of one of the standard types: the result, a missing part to a target, measurement
+    division (how many groups of k), partitive division (equal shares), or a difference with another amount.
+    A number the question needs is stated first or last in the story, at random."""
+    thing = rng.choice(THINGS)
+    other = rng.choice([n for n in NAMES if n != name])
+    start = rng.choice(("given", "groups", "join"))
+    if start == "given":
+        total = rng.randint(6, 90)
+        sentences, steps = [f"{name} has {total} {thing}."], []
+    elif start == "groups":
+        b, c = rng.randint(2, 9), rng.randint(2, 15)
+        container = rng.choice(CONTAINERS)
+        sentences = [
+            rng.choice(
+                (
+                    f"{name} has {b} {container} with {c} {thing} in each.",
+                    f"Each of {name}'s {b} {container} holds {c} {thing}.",
+                    f"{name} fills {b} {container}, putting {c} {thing} in every one.",
+                )
+            )
+        ]
+        steps, total = [f"There are {b} * {c} = {b * c} {thing}."], b * c
+    else:
+        a, b = rng.randint(3, 60), rng.randint(3, 60)
+        sentences = [f"{name} has {a} {thing} and {other} gives {name} {b} more."]
+        steps, total = [f"{name} has {a} + {b} = {a + b} {thing}."], a + b
+    if rng.random() < 0.5:  # a change
+        change = rng.choice(("join", "separate", "part"))
+        if change == "join":
+            n = rng.randint(1, 40)
+            sentences.append(f"Later {name} {rng.choice(GAINS)} {n} more.")
+            steps.append(f"With {n} more: {total} + {n} = {total + n} {thing}.")
+            total += n
+        elif change == "separate" and total > 2:
+            n = rng.randint(1, total - 2)
+            sentences.append(f"{name} {rng.choice(LOSSES)} {n} of them.")
+            steps.append(f"After that {total} - {n} = {total - n} {thing} are left.")
+            total -= n
+        else:
+            fitting = [(k, word) for k, word in PARTS if total % k == 0]
+            if fitting:
+                k, word = rng.choice(fitting)
+                sentences.append(f"{name} gives {word} of them to {rng.choice(KEEPERS)}.")
+                steps += [
+                    f"{word.capitalize()} of {total} is {total} / {k} = {total // k}.",
+                    f"{name} keeps {total} - {total // k} = {total - total // k} {thing}.",
+                ]
+                total -= total // k
+    question = rng.choice(("result", "missing", "measure", "share", "difference"))
+    given: str | None = None  # a sentence with a number the question needs, put first or last
+    if question == "missing" and total <= 900:
+        target = total + rng.randint(1, min(99, 999 - total))
+        place = rng.choice(PLACES)
+        given = rng.choice((f"{name} wants {target} {thing} in all.", f"The {place} has room for {target} {thing}."))
+        ask = f"How many more {thing} does {name} need?" if "wants" in given else f"How many more {thing} fit in?"
+        steps.append(f"Still missing: {target} - {total} = {target - total} {thing}.")
+        total = target - total
+    elif question == "measure" and (k := _divisor(rng, total)) is not None:
+        container = rng.choice(CONTAINERS)
+        given = f"{name} packs the {thing} into {container} of {k}."
+        ask = f"How many {container} does {name} fill?"
+        steps.append(f"{total} / {k} = {total // k} {container}.")
+        total //= k
+    elif question == "share" and (k := _divisor(rng, total)) is not None:
+        friends = rng.choice(FRIENDS)
+        given = f"{name} shares all the {thing} equally among {k} {friends}."
+        ask = f"How many {thing} does each of the {friends} get?"
+        steps.append(f"Each gets {total} / {k} = {total // k} {thing}.")
+        total //= k
+    elif question == "difference" and total >= 3:
+        m = rng.randint(1, total - 1)
+        given = f"{other} has {m} {thing}."
+        ask = f"How many more {thing} does {name} have than {other}?"
+        steps.append(f"The difference is {total} - {m} = {total - m} {thing}.")
+        total -= m
+    else:
+        ask = rng.choice((f"How many {thing} does {name} have now?", f"How many {thing} are there now?"))
+    if given is not None:
+        sentences = [given, *sentences] if rng.random() < 0.5 else [*sentences, given]
+    return " ".join([*sentences, ask]), steps, total
+
+
 # Validation templates.
 
 
@@ -640,11 +740,14 @@ TEMPLATE_SPLITS: dict[str, tuple[Template, ...]] = {
 PROCEDURAL = (collection, rates, shopping, comparison)  # the train split's procedural templates
 
 
-def math_split(split: str, count: int, seed: int = 0, procedural_weight: int = 1) -> list[MathProblem]:
+def math_split(
+    split: str, count: int, seed: int = 0, procedural_weight: int = 1, types_weight: int = 0
+) -> list[MathProblem]:
     """`count` problems with distinct questions from the templates of `split`, taken in turn.
 
     `procedural_weight` (train only) takes each procedural template (`PROCEDURAL`) that many times a turn,
     so they make 4w / (12 + 4w) of the problems instead of 4 / 16: 1 keeps every template's share equal.
+    `types_weight` (train only) adds `problem_types` to the train templates, that many times a turn (0: not at all).
     """
     check_split(split)
     check_count(count)
@@ -652,6 +755,10 @@ def math_split(split: str, count: int, seed: int = 0, procedural_weight: int = 1
         raise ValueError(f"`procedural_weight` must be an integer >= 1, got {procedural_weight!r}")
     if procedural_weight > 1 and split != "train":
         raise ValueError(f"`procedural_weight` must be 1 for the {split} split (only train has procedural templates)")
+    if isinstance(types_weight, bool) or not isinstance(types_weight, int) or types_weight < 0:
+        raise ValueError(f"`types_weight` must be an integer >= 0, got {types_weight!r}")
+    if types_weight > 0 and split != "train":
+        raise ValueError(f"`types_weight` must be 0 for the {split} split (problem_types is a train template)")
     rng = random.Random(f"math/{split}/{seed}")
 
     def draw(template: Template) -> MathProblem:
@@ -662,4 +769,5 @@ def math_split(split: str, count: int, seed: int = 0, procedural_weight: int = 1
     if procedural_weight > 1:
         fixed = tuple(template for template in templates if template not in PROCEDURAL)
         templates = fixed + PROCEDURAL * procedural_weight
+    templates = templates + (problem_types,) * types_weight
     return distinct_draws(templates, count, draw, lambda problem: problem.question)

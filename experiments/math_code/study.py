@@ -520,12 +520,12 @@ def paper_table(results: dict, score: str) -> str:
     header = ["split (n)", *compositions, "reference", "reference system", "paper (composed vs reference)"]
     rows = []
     for split, (_, _, label, expert) in SPLITS.items():
-        first = _record(results, compositions[0], split, score) if compositions else None
-        n = first["n"] if first else "–"
         if expert is None:
             reference = best_single(results, split, score)
         else:
             reference = expert_name(expert)
+        systems = [*compositions[:1], *([reference] if reference else [])]  # n without compositions too
+        n = next((record["n"] for name in systems if (record := _record(results, name, split, score))), "–")
         paper = PAPER.get(split)
         rows.append(
             [

@@ -142,6 +142,35 @@ def test_every_answer_line_equals_the_answer_recomputed_from_the_question(splits
     assert all(f" {operator} " in solutions for operator in "+-*/")
 
 
+def test_problem_types_chains_the_standard_question_types_with_right_arithmetic(splits):
+    """The optional train template: every step's arithmetic right, the last step's result the answer, two steps
+    or more, the module's ranges; every question type asked, its number stated first in some stories and last
+    in others; no story of it shares a skeleton with a held-out one."""
+    problems = [p for p in math_split("train", 3000, 0, 1, 1) if p.template == "problem_types"]
+    assert len(problems) > 150
+    for problem in problems:
+        steps = STEP.findall(problem.solution)
+        assert len(steps) >= 2 and len(problem.solution.splitlines()) >= 3, problem.solution
+        for expression, result in steps:
+            assert Fraction(eval(expression)) == int(result), problem.solution  # noqa: S307 (digits and + - * /)
+        assert int(steps[-1][1]) == problem.answer and 0 <= problem.answer <= 999, problem.question
+        assert all(1 <= int(number) <= 999 for number in re.findall(r"\d+", problem.question)), problem.question
+    asks = {
+        "missing": r"How many more \w[\w ]* (does \w+ need|fit in)\?$",
+        "measure": r"How many \w+ does \w+ fill\?$",
+        "share": r"does each of the \w+ get\?$",
+        "difference": r"does \w+ have than \w+\?$",
+        "result": r"(have|are there) now\?$",
+    }
+    for kind, ask in asks.items():
+        assert any(re.search(ask, p.question) for p in problems), kind
+    givens = r"(wants \d+|has room for|packs the|shares all the)"
+    opening = [bool(re.search(givens, p.question.split(". ")[0])) for p in problems if re.search(givens, p.question)]
+    assert any(opening) and not all(opening)  # the number the question needs comes first or last
+    held_out = {skeleton(p.prompt) for split in ("validation", "test") for p in splits["math"][split]}
+    assert not {skeleton(p.prompt) for p in problems} & held_out
+
+
 def test_expanded_arithmetic_works_each_two_number_step_out_by_place_value(splits):
     assert expanded_arithmetic("It has 21 * 3 = 63 legs.") == "It has 21 * 3 = 20 * 3 + 1 * 3 = 60 + 3 = 63 legs."
     assert expanded_arithmetic("47 + 35 = 82") == "47 + 35 = 47 + 30 + 5 = 77 + 5 = 82"

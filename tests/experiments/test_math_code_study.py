@@ -29,7 +29,13 @@ from mergecompose.experiments.math_code.experts import (
 )
 from mergecompose.experiments.math_code.lm_eval_tasks import study_records
 from mergecompose.experiments.math_code.math_problems import PROCEDURAL, math_split
-from mergecompose.experiments.math_code.study import SPLITS, MathCodeStudyConfig, StudySplits, run_math_code_study
+from mergecompose.experiments.math_code.study import (
+    SPLITS,
+    MathCodeStudyConfig,
+    StudySplits,
+    paper_table,
+    run_math_code_study,
+)
 from mergecompose.integrations.lm_eval.humaneval import TASK_NAMES as HUMANEVAL_TASKS
 
 pytestmark = pytest.mark.skipif(sandbox_available() is not None, reason=f"no code sandbox: {sandbox_available()}")
@@ -147,6 +153,11 @@ def test_the_outputs_are_written(study):
     assert sample["doc"]["kind"] == "mixed" and "<|im_start|>assistant\n" in sample["arguments"][0][0]
     reloaded = load_config(out / "config.yaml")
     assert reloaded == study["config"]
+    # Without compositions the paper-shaped table takes n from the reference system.
+    results = json.loads((out / "results.json").read_text())
+    n = results["systems"]["expert:math"]["mc_math/lenient"]["n"]
+    alone = {**results, "config": {**results["config"], "compositions": {}}}
+    assert f"math, held out ({n})" in paper_table(alone, "lenient")
 
 
 def test_the_diagnostics_measure_coactivation_at_each_epsilon_and_recommend(study):
@@ -227,6 +238,25 @@ def test_an_expert_is_kept_by_its_training_data_too(tmp_path, monkeypatch):
         ExpertRecipe(skill="code", procedural_weight=3)
 
 
+def test_types_weight_adds_the_problem_types_template_to_the_math_train_split():
+    """Weight 0 is the split as before; weight w adds `problem_types` w times a turn to the 16 train templates."""
+    plain = ExpertRecipe(skill="math", examples=160)
+    typed = plain.model_copy(update={"types_weight": 8})
+    assert math_split("train", 160, 0, 1, 0) == math_split("train", 160)
+    templates = [p.template for p in math_split("train", 480, 0, 1, 8)]
+    assert 0.3 < templates.count("problem_types") / len(templates) < 0.36  # 8 of every 24 draws
+    assert set(templates) == {p.template for p in math_split("train", 160)} | {"problem_types"}
+    assert [prompt for prompt, _ in training_pairs(typed)] == [p.prompt for p in math_split("train", 160, 0, 1, 8)]
+    assert expert_folder("base", typed, "cache") != expert_folder("base", plain, "cache")
+    assert "types_weight" not in recipe_key(plain) and recipe_key(typed)["types_weight"] == 8
+    with pytest.raises(ValueError, match=r"`types_weight` must be 0 for the validation split"):
+        math_split("validation", 5, types_weight=1)
+    with pytest.raises(ValueError, match=r"`types_weight` must be an integer >= 0, got -1"):
+        math_split("train", 5, types_weight=-1)
+    with pytest.raises(ValueError, match=r"`types_weight` must be 0 for a code expert, got 2"):
+        ExpertRecipe(skill="code", types_weight=2)
+
+
 def test_procedural_weight_sets_the_share_of_procedural_math_problems():
     """Weight 1 is the split as before; weight w takes each procedural template w times a turn."""
     plain = ExpertRecipe(skill="math", examples=160)
@@ -240,7 +270,7 @@ def test_procedural_weight_sets_the_share_of_procedural_math_problems():
     assert expert_folder("base", weighted, "cache") != expert_folder("base", plain, "cache")
     # An expert cached before the field existed keeps its key: the default is left out of it.
     assert "procedural_weight" not in recipe_key(plain) and recipe_key(weighted)["procedural_weight"] == 6
-    assert {**recipe_key(plain), "procedural_weight": 1} == resolved(plain).model_dump(mode="json")
+    assert {**recipe_key(plain), "procedural_weight": 1, "types_weight": 0} == resolved(plain).model_dump(mode="json")
     with pytest.raises(ValueError, match=r"`procedural_weight` must be 1 for the test split"):
         math_split("test", 5, procedural_weight=2)
     with pytest.raises(ValueError, match=r"`procedural_weight` must be an integer >= 1, got 0"):
