@@ -469,8 +469,12 @@ def _one_type_story(rng: random.Random, name: str) -> Story:
     if question == "missing" and total <= 900:
         target = total + rng.randint(1, min(99, 999 - total))
         place = rng.choice(PLACES)
-        given = rng.choice((f"{name} wants {target} {thing} in all.", f"The {place} has room for {target} {thing}."))
-        ask = f"How many more {thing} does {name} need?" if "wants" in given else f"How many more {thing} fit in?"
+        given, ask = rng.choice(
+            (
+                (f"{name} wants {target} {thing} in all.", f"How many more {thing} does {name} need?"),
+                (f"The {place} has room for {target} {thing}.", f"How many more {thing} fit in?"),
+            )
+        )
         steps.append(f"Still missing: {target} - {total} = {target - total} {thing}.")
         total = target - total
     elif question == "measure" and (k := _divisor(rng, total)) is not None:
@@ -740,6 +744,14 @@ TEMPLATE_SPLITS: dict[str, tuple[Template, ...]] = {
 PROCEDURAL = (collection, rates, shopping, comparison)  # the train split's procedural templates
 
 
+def _check_weight(name: str, value: object, default: int, split: str, why: str) -> None:
+    """A train-only weight: an integer >= `default`, and `default` itself for a held-out split."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < default:
+        raise ValueError(f"`{name}` must be an integer >= {default}, got {value!r}")
+    if value != default and split != "train":
+        raise ValueError(f"`{name}` must be {default} for the {split} split ({why})")
+
+
 def math_split(
     split: str, count: int, seed: int = 0, procedural_weight: int = 1, types_weight: int = 0
 ) -> list[MathProblem]:
@@ -751,14 +763,8 @@ def math_split(
     """
     check_split(split)
     check_count(count)
-    if isinstance(procedural_weight, bool) or not isinstance(procedural_weight, int) or procedural_weight < 1:
-        raise ValueError(f"`procedural_weight` must be an integer >= 1, got {procedural_weight!r}")
-    if procedural_weight > 1 and split != "train":
-        raise ValueError(f"`procedural_weight` must be 1 for the {split} split (only train has procedural templates)")
-    if isinstance(types_weight, bool) or not isinstance(types_weight, int) or types_weight < 0:
-        raise ValueError(f"`types_weight` must be an integer >= 0, got {types_weight!r}")
-    if types_weight > 0 and split != "train":
-        raise ValueError(f"`types_weight` must be 0 for the {split} split (problem_types is a train template)")
+    _check_weight("procedural_weight", procedural_weight, 1, split, "only train has procedural templates")
+    _check_weight("types_weight", types_weight, 0, split, "problem_types is a train template")
     rng = random.Random(f"math/{split}/{seed}")
 
     def draw(template: Template) -> MathProblem:
