@@ -71,10 +71,15 @@ class TrainingLog:
     steps: int
     seconds: float
     final_loss: float
-    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) every `log_every` steps
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) every `log_every` steps, unrounded
+
+    def rounded_losses(self) -> list[float]:
+        """The logged losses rounded to 6 decimals, as the records on disk keep them."""
+        return [round(loss, 6) for _, loss in self.losses]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The log for a record on disk: the losses rounded to 6 decimals."""
+        return {**asdict(self), "losses": [(step, round(loss, 6)) for step, loss in self.losses]}
 
 
 def lr_factor(step: int, total: int, settings: OptimizerSettings) -> float:
@@ -105,8 +110,9 @@ def train_model(
     `batches` yields `total_steps` objects with `.to(device)` giving `input_ids`,
     `attention_mask`, `position_ids` and `labels` (a `Batch`); `total_steps` sets the schedule and
     the progress bar. `settings` needs `lr`, `weight_decay`, `schedule`, `warmup_fraction` and
-    `grad_clip` (an `OptimizerSettings`, or any settings with those fields). The loss is logged,
-    rounded to 6 decimals, at every `log_every`-th step and the last. The model is left in eval mode.
+    `grad_clip` (an `OptimizerSettings`, or any settings with those fields). The loss is logged, unrounded, at
+    every `log_every`-th step and the last (`TrainingLog.to_dict` rounds it to 6 decimals for the records on
+    disk). The model is left in eval mode.
     `autocast` (e.g. `torch.bfloat16`) runs the forward pass under `torch.autocast` on the model's device: the
     parameters and the optimizer's state stay in their own dtype (float32 master weights), the loss is float32.
     `labelled_logits_only` (for transformers causal LMs, which take `logits_to_keep`): the output layer and the
@@ -144,7 +150,7 @@ def train_model(
         scheduler.step()
         value = loss.item()
         if step % log_every == 0 or step == total_steps - 1:
-            log.losses.append((step, round(value, 6)))
+            log.losses.append((step, value))
             bar.set_postfix(loss=f"{value:.4f}")
         bar.update(1)
         log.steps = step + 1
@@ -223,12 +229,11 @@ def train_lora_expert(
     log = train_model(
         peft_model, stream, settings, config.steps, description="LoRA training", progress=progress, log_every=1
     )
-    losses = [loss for _, loss in log.losses]
     with atomic_output_dir(out_dir, overwrite) as folder:
         peft_model.save_pretrained(str(folder))
-        record = {"config": config.model_dump(), "losses": losses}
+        record = {"config": config.model_dump(), "losses": log.rounded_losses()}
         (folder / "training_config.json").write_text(json.dumps(record, indent=2))
-    return LoraTraining(Path(out_dir), losses)
+    return LoraTraining(Path(out_dir), [loss for _, loss in log.losses])
 
 
 def aligned_batch(batch: Mapping[str, torch.Tensor]) -> Batch:

@@ -241,7 +241,7 @@ def train_expert(
             "base": str(base),
             "seconds": seconds,
             "examples": counts,
-            "losses": [loss for _, loss in log.losses],
+            "losses": log.rounded_losses(),
         }
         atomic_write_text(out / TRAINING_RECORD, json.dumps(record, indent=2) + "\n")
         write_manifest(out)

@@ -10,20 +10,23 @@ Two measurements of the same base and two experts (full-model perturbations of t
 Each is measured twice: with the settings the project started with (the plain median centre,
 every statistic over the whole vocabulary), compared with `tests/analysis/golden/overlap_report.json`,
 and with the default settings (the base-weighted centre, token statistics on the top-k union),
-compared with `tests/analysis/golden/overlap_report_default.json`. Number by number: floats within
-1e-6 relative or 1e-9 absolute; ints, strings, None and keys exactly. A refactoring of the
-accumulator must leave both unchanged. After an intended change of numbers, regenerate with
+compared with `tests/analysis/golden/overlap_report_default.json`. Number by number: ints, strings,
+None and keys exactly; floats within 1e-5 relative or 1e-5 absolute, and the reservoir's top
+log-probabilities, which the report rounds to 4 decimals, within one rounding step more (1e-4).
+A refactoring of the accumulator must leave both unchanged. After an intended change of numbers,
+regenerate with
 
     MERGECOMPOSE_REGENERATE_GOLDEN=1 .venv/bin/python -m pytest -q tests/analysis/test_overlap_golden.py
 
 and review the diff of the JSON file.
 
-1e-6 is tighter than float32 kernels agree across CPUs: AVX2 and AVX-512 kernels sum and round in
-different orders (between an AVX-512 CPU and an AVX2 one, 104 numbers of the first report moved by
-more than 1e-6 relative, and numbers rounded to 4 decimals by 1e-4). So the files are per kernel
-family, `torch.backends.cpu.get_cpu_capability()`: the unsuffixed ones were made on an AVX-512 CPU,
-`….AVX2.json` on an AVX2 one; regenerating writes this CPU's. On a CPU of another family, for which
-no file exists, the comparison is skipped and says so.
+One file serves every CPU (the files were made on an AVX-512 CPU). Float32 kernels sum in a
+different order on AVX2 and AVX-512 CPUs, and on two AVX-512 CPUs of different models, so the
+reports differ across CPUs. Between the AVX-512 kernels, the AVX2 ones (`ATEN_CPU_CAPABILITY=avx2`,
+which gave the AVX2 CPU's report bit for bit) and the generic ones (`ATEN_CPU_CAPABILITY=default`),
+the largest difference of a float was 1.5e-6 absolute, and a value rounded to 4 decimals moved by
+one step. The tolerances sit above both: a tolerance at one CPU's order of sums, or at a rounding,
+fails on the other CPU.
 """
 
 from __future__ import annotations
@@ -51,15 +54,9 @@ GOLDEN = {
     "default": (Path(__file__).parent / "golden" / "overlap_report_default.json", {}),
 }
 REGENERATE = os.environ.get("MERGECOMPOSE_REGENERATE_GOLDEN") == "1"
-CAPABILITY = torch.backends.cpu.get_cpu_capability()  # the kernel family: "AVX512", "AVX2", ...
-
-
-def golden_file(path: Path) -> Path:
-    """This CPU's file of `path`: `path` itself on an AVX-512 CPU, `<stem>.<capability>.json` elsewhere."""
-    return path if CAPABILITY == "AVX512" else path.with_name(f"{path.stem}.{CAPABILITY}{path.suffix}")
-
-
-RELATIVE, ABSOLUTE = 1e-6, 1e-9
+# Floats: above the order-of-sums differences between CPUs' kernels (1.5e-6 at most, measured).
+RELATIVE, ABSOLUTE = 1e-5, 1e-5
+ROUNDED = 1e-4  # one step of the 4 decimals the reservoir's top log-probabilities are rounded to
 
 
 class _LetterTokenizer:
@@ -160,7 +157,8 @@ def _assert_matches(actual, expected, path: str = "report") -> None:
         if math.isnan(expected):
             assert math.isnan(actual), f"{path}: {actual} != nan"
         else:
-            assert math.isclose(actual, expected, rel_tol=RELATIVE, abs_tol=ABSOLUTE), (
+            absolute = ABSOLUTE + (ROUNDED if "['top']" in path else 0.0)
+            assert math.isclose(actual, expected, rel_tol=RELATIVE, abs_tol=absolute), (
                 f"{path}: {actual!r} != {expected!r}"
             )
     else:  # int, bool, str, None: exactly, and of the same type
@@ -170,7 +168,6 @@ def _assert_matches(actual, expected, path: str = "report") -> None:
 @pytest.mark.parametrize("name", list(GOLDEN))
 def test_overlap_report_matches_the_golden_file(name):
     golden, settings = GOLDEN[name]
-    golden = golden_file(golden)
     reports = _golden_reports(OverlapSettings(**settings))
     if REGENERATE:
         golden.parent.mkdir(exist_ok=True)
@@ -184,8 +181,6 @@ def test_overlap_report_matches_the_golden_file(name):
         assert report["merge_compose_gap"]["interaction_residual_relative"] is not None
     assert "parameter" in reports["teacher_forced"]["pairs"]["expert_0|expert_1"]
     assert "linearization_error" in reports["rollouts"]["experts"]["expert_0"]
-    if not golden.is_file():
-        pytest.skip(f"no golden numbers for this CPU's kernels ({CAPABILITY}): {golden.name} does not exist")
     _assert_matches(reports, json.loads(golden.read_text()))
 
 
@@ -193,7 +188,7 @@ def test_the_comparison_catches_a_changed_number():
     expected = {"a": [1, 2.5, "x", None], "b": {"c": 0.125}}
     _assert_matches(json.loads(json.dumps(expected)), expected)
     for changed in (
-        {"a": [1, 2.5 * (1 + 1e-5), "x", None], "b": {"c": 0.125}},
+        {"a": [1, 2.5 * (1 + 3e-5), "x", None], "b": {"c": 0.125}},
         {"a": [2, 2.5, "x", None], "b": {"c": 0.125}},
         {"a": [1.0, 2.5, "x", None], "b": {"c": 0.125}},
         {"a": [1, 2.5, "y", None], "b": {"c": 0.125}},
@@ -202,3 +197,8 @@ def test_the_comparison_catches_a_changed_number():
     ):
         with pytest.raises(AssertionError):
             _assert_matches(changed, expected)
+    # A top log-probability, rounded to 4 decimals, may move by one rounding step, not by two.
+    top = {"top": [["A0", -1.2345]]}
+    _assert_matches({"top": [["A0", -1.2346]]}, top)
+    with pytest.raises(AssertionError):
+        _assert_matches({"top": [["A0", -1.2347]]}, top)

@@ -51,7 +51,8 @@ def test_labelled_logits_only_trains_exactly_as_the_full_output_layer(tiny_confi
         )
         for model, only in zip(models, (False, True))
     ]
-    assert [loss for _, loss in logs[0].losses] == pytest.approx([loss for _, loss in logs[1].losses], abs=1e-6)
+    # Unrounded losses, to float32's order-of-sums error (about 1e-7 relative), far below any real change in them.
+    assert [loss for _, loss in logs[0].losses] == pytest.approx([loss for _, loss in logs[1].losses], rel=1e-5)
     for (name, full), (_, kept) in zip(models[0].named_parameters(), models[1].named_parameters()):
         torch.testing.assert_close(kept, full, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -82,8 +83,9 @@ def test_logged_loss_is_the_cross_entropy_of_the_labelled_positions(tiny_config)
     log = train_model(model, [batch] * 7, OptimizerSettings(lr=1e-2), 7, progress=False, log_every=3)
     assert isinstance(log, TrainingLog) and log.steps == 7 and not model.training
     assert [step for step, _ in log.losses] == [0, 3, 6]  # every third step and the last
-    assert log.losses[0][1] == pytest.approx(expected, abs=2e-6)  # computed before the first update
-    assert log.losses[-1][1] == round(log.final_loss, 6) < log.losses[0][1]
+    assert log.losses[0][1] == pytest.approx(expected, rel=1e-5)  # computed before the first update, unrounded
+    assert log.losses[-1][1] == log.final_loss < log.losses[0][1]
+    assert log.to_dict()["losses"][-1] == (6, round(log.final_loss, 6))  # the record on disk rounds
 
 
 def test_ignored_positions_do_not_train(tiny_config):
@@ -98,7 +100,7 @@ def test_ignored_positions_do_not_train(tiny_config):
         train_model(model, [data] * 3, OptimizerSettings(lr=1e-2), 3, progress=False, log_every=1)
         for model, data in zip(models, (batch, first_row))
     ]
-    assert [loss for _, loss in logs[0].losses] == pytest.approx([loss for _, loss in logs[1].losses], abs=2e-6)
+    assert [loss for _, loss in logs[0].losses] == pytest.approx([loss for _, loss in logs[1].losses], rel=1e-5)
     for name, tensor in models[0].state_dict().items():
         torch.testing.assert_close(tensor, models[1].state_dict()[name], atol=1e-5, rtol=0)
 
@@ -141,4 +143,4 @@ def test_lora_expert_loss_is_the_transformers_causal_lm_loss(base_model, tmp_pat
     )
     with torch.no_grad():
         expected = base_model(input_ids=input_ids, labels=labels).loss.item()
-    assert len(training.losses) == 3 and training.losses[0] == pytest.approx(expected, abs=1e-6)
+    assert len(training.losses) == 3 and training.losses[0] == pytest.approx(expected, rel=1e-5)
