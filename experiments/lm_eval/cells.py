@@ -105,16 +105,23 @@ class CellStore:
             self.reused.append((system.name, task.name))
             return cell
         watch = Stopwatch()
-        results = lm_eval.simple_evaluate(
-            model=load_model(),
-            tasks=[self._task_spec(task)],
-            num_fewshot=self.settings.num_fewshot,
-            limit=task.limit,
-            gen_kwargs=self.settings.gen_kwargs,
-            task_manager=self.manager,
-            log_samples=True,
-            confirm_run_unsafe_code=self.settings.allow_code_execution,
-        )  # lm-eval's own fixed seeds (random, numpy, torch, few-shot sampling)
+        model = load_model()
+        try:
+            results = lm_eval.simple_evaluate(
+                model=model,
+                tasks=[self._task_spec(task)],
+                num_fewshot=self.settings.num_fewshot,
+                limit=task.limit,
+                gen_kwargs=self.settings.gen_kwargs,
+                task_manager=self.manager,
+                log_samples=True,
+                confirm_run_unsafe_code=self.settings.allow_code_execution,
+            )  # lm-eval's own fixed seeds (random, numpy, torch, few-shot sampling)
+        except (ValueError, KeyError, AssertionError) as error:
+            # lm-eval's errors about a task's data or settings name neither the task nor the system.
+            raise ValueError(
+                f"lm-eval failed scoring system {system.name!r} on task {task.name!r}: {type(error).__name__}: {error}"
+            ) from error
         leaves = leaf_tasks(results, task.name)
         samples = {}
         for leaf in leaves:

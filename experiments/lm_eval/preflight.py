@@ -13,7 +13,10 @@ merges were built and other systems evaluated:
 * the task files under `include_path` (they parse, and have lm-eval's fields);
 * `gen_kwargs`, and the generation settings of the tasks a composition is scored on, that the composed
   model supports (`mergecompose.integrations.lm_eval.model.GENERATION_KWARGS`);
-* `merge_selection.metric`: a metric the selection task reports (from its `metric_list`).
+* `merge_selection.metric`: a metric the selection task reports (from its `metric_list`);
+* each task whose data is local, built by lm-eval (its files and splits read), and `task.num_fewshot` (or the
+  task's own `num_fewshot`) no more than the documents lm-eval draws the examples from; a hub dataset is not
+  downloaded for this.
 
 `mergecompose compare --check` runs it alone (`preflight`, registered with the compare kind);
 `run_lm_eval_compare` runs it first.
@@ -37,6 +40,7 @@ from mergecompose.experiments.lm_eval.catalog import check_task_files, leaf_conf
 from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig, check_hub_sources
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
 from mergecompose.integrations.lm_eval.model import GENERATION_KWARGS
+from mergecompose.integrations.lm_eval.quiet import quiet_lm_eval
 
 
 def check_before_work(config: LmEvalCompareConfig, config_path: str | os.PathLike | None = None) -> None:
@@ -54,6 +58,7 @@ def check_before_work(config: LmEvalCompareConfig, config_path: str | os.PathLik
         if manager is not None:
             check_generation_settings(config, manager)
             check_selection_metric(config, manager)
+            check_local_tasks(config, manager)
     except ValueError as error:
         if config_path is None:
             raise
@@ -188,3 +193,54 @@ def check_selection_metric(config: LmEvalCompareConfig, manager) -> None:
             f"`merge_selection.metric` {selection.metric!r} is not a metric of task {selection.task!r}; "
             f"it reports {metrics}"
         )
+
+
+# lm-eval's loaders of local files (`dataset_path: json` with `dataset_kwargs.data_files`, ...).
+_LOCAL_LOADERS = ("json", "csv", "parquet", "text", "arrow")
+
+
+def check_local_tasks(config: LmEvalCompareConfig, manager) -> None:
+    """Every scored task whose data is local loads in lm-eval (its data files read, its splits found), and holds at
+    least the `num_fewshot` documents lm-eval samples its few-shot examples from (`task.num_fewshot`, else the
+    task's own): its `fewshot_split`, else its training, validation or test documents, one more where the examples
+    come from the split being scored (lm-eval leaves the scored document out). lm-eval itself would fail only once
+    the run folder was claimed: with a KeyError naming the split, or "Sample larger than population" on the first
+    scored document."""
+    names = [*config.task.names, *([config.merge_selection.task] if config.merge_selection else [])]
+    for task, settings in leaf_configs(manager, list(dict.fromkeys(names))).items():
+        if not _local_data(settings):
+            continue
+        try:
+            with quiet_lm_eval():  # a check: no dataset progress bars
+                built = manager.load([task])["tasks"][task]  # lm-eval's own task: its documents as it reads them
+        except (ValueError, KeyError, OSError) as error:
+            raise ValueError(f"task {task!r} does not load in lm-eval: {type(error).__name__}: {error}") from None
+        shots = config.task.num_fewshot if config.task.num_fewshot is not None else settings.get("num_fewshot")
+        if not isinstance(shots, int) or shots <= 0:
+            continue
+        documents = len(list(built.fewshot_docs()))
+        split = built.fewshot_cfg.split
+        scored = split is not None and split == built.config.test_split  # the scored document is left out
+        if shots + scored > documents:
+            field = "`task.num_fewshot`" if config.task.num_fewshot is not None else f"task {task!r}'s `num_fewshot`"
+            source = f"its `fewshot_split` {split!r}" if split is not None else f"its {_fallback_split(built)} split"
+            raise ValueError(
+                f"{field} is {shots}, but task {task!r} has {documents} documents to draw few-shot examples from "
+                f"({source}{', less the document being scored' if scored else ''}); "
+                f"allowed: at most {documents - scored}"
+            )
+
+
+def _fallback_split(task) -> str:
+    """The split lm-eval draws few-shot examples from when a task names none: training, else validation, else test."""
+    if task.has_training_docs():
+        return "training"
+    return "validation" if task.has_validation_docs() else "test"
+
+
+def _local_data(settings: dict) -> bool:
+    """The task reads its documents from local files (lm-eval loads them without the hub)."""
+    path = settings.get("dataset_path")
+    if not isinstance(path, str):
+        return False
+    return path in _LOCAL_LOADERS or Path(path).expanduser().is_dir()

@@ -7,18 +7,24 @@ import json
 import os
 import subprocess
 
+import lm_eval
 import pytest
 import torch
 import yaml
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
 
 from mergecompose.analysis.data import char_tokenizer
+from mergecompose.cli import main
 from mergecompose.core.tiny import random_llama, tiny_llama_config
 from mergecompose.experiments.config import load_config
 from mergecompose.experiments.letters.lm_eval_tasks import write_choice_task, write_generate_task
 from mergecompose.experiments.lm_eval import LmEvalCompareConfig
+from mergecompose.experiments.lm_eval.cells import CellStore, EvaluationSettings, TaskRun
 from mergecompose.experiments.lm_eval.config import resolve_source
 from mergecompose.experiments.lm_eval.preflight import check_before_work, check_device
 from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
+from mergecompose.experiments.systems import System
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -174,3 +180,64 @@ def test_quiet_silences_lm_eval(project, tmp_path, monkeypatch, capfd):
     run_lm_eval_compare(config, tmp_path / "loud", progress=True, echo=None)  # the check can fail: not silent
     assert capfd.readouterr().err.strip()
     assert json.loads((tmp_path / "quiet" / "results.json").read_text())["tasks"] == ["tiny_choice"]
+
+
+def test_more_few_shot_examples_than_documents_are_refused_before_the_run_folder(project, tmp_path, capsys):
+    """tiny_gen has 2 documents: lm-eval itself fails on 3 shots, with no field, task or number named; the pre-flight
+    names them all, and `mergecompose compare` writes nothing into `--out`."""
+    task = {"type": "lm_eval", "names": ["tiny_gen"], "include_path": str(project / "tasks")}
+    with pytest.raises(ValueError, match="Sample larger than population"):  # lm-eval's own error, unnamed
+        lm_eval.simple_evaluate(
+            model="hf",
+            model_args={"pretrained": str(project / "models" / "base")},
+            device="cpu",
+            tasks=["tiny_gen"],
+            num_fewshot=3,
+            task_manager=TaskManager(include_path=str(project / "tasks")),
+        )
+    check_before_work(LmEvalCompareConfig.model_validate(_data(project, task={**task, "num_fewshot": 2})))
+    config = tmp_path / "shots.yaml"
+    config.write_text(yaml.safe_dump(_data(project, task={**task, "num_fewshot": 3})))
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["compare", str(config), "--out", str(out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("mergecompose compare: error: ") and "\n" not in error
+    assert "`task.num_fewshot` is 3, but task 'tiny_gen' has 2 documents" in error
+    assert error.endswith("(its test split); allowed: at most 2")
+    assert not out.exists()
+    # Examples drawn from the split being scored leave the scored document out: one fewer is allowed.
+    tasks = tmp_path / "tasks"
+    write_generate_task(tasks, "own_split", [("AB", "BB"), ("CD", "DD"), ("EF", "FF")], 4)
+    text = (tasks / "own_split.yaml").read_text() + "fewshot_split: test\nnum_fewshot: 3\n"
+    (tasks / "own_split.yaml").write_text(text)
+    own = {"type": "lm_eval", "names": ["own_split"], "include_path": str(tasks)}
+    with pytest.raises(
+        ValueError,
+        match=r"task 'own_split''s `num_fewshot` is 3, .*3 documents .*its `fewshot_split` 'test', less the "
+        r"document being scored\); allowed: at most 2",
+    ):
+        check_before_work(LmEvalCompareConfig.model_validate(_data(project, task=own)))
+    check_before_work(LmEvalCompareConfig.model_validate(_data(project, task={**own, "num_fewshot": 2})))
+
+
+def test_a_task_whose_split_is_missing_is_named_before_the_run_and_in_a_cell(project, tmp_path):
+    """`test_split: validation` where the data has only `test`: lm-eval's KeyError: 'validation' names no task. The
+    pre-flight names the task; a cell that meets it all the same (a task the pre-flight cannot build: a hub
+    dataset) names the system and the task."""
+    tasks = tmp_path / "tasks"
+    write_generate_task(tasks, "bad_split", [("AB", "BB"), ("CD", "DD")], 4)
+    text = (tasks / "bad_split.yaml").read_text().replace("test_split: test", "test_split: validation")
+    (tasks / "bad_split.yaml").write_text(text)
+    task = {"type": "lm_eval", "names": ["bad_split"], "include_path": str(tasks)}
+    with pytest.raises(ValueError, match=r"task 'bad_split' does not load in lm-eval: KeyError: 'validation'"):
+        check_before_work(LmEvalCompareConfig.model_validate(_data(project, task=task)))
+    store = CellStore(
+        tmp_path / "run", EvaluationSettings(None, None, False, "-"), TaskManager(include_path=str(tasks))
+    )
+    model = HFLM(pretrained=str(project / "models" / "base"), device="cpu")
+    with pytest.raises(
+        ValueError, match=r"lm-eval failed scoring system 'base' on task 'bad_split': KeyError: 'validation'"
+    ):
+        store.get(System("base", load=lambda: model), TaskRun("bad_split"), lambda: model)
+    assert not (tmp_path / "run" / "cells").exists()
