@@ -185,10 +185,12 @@ def check_json_file(path: str | os.PathLike[str], argument: str) -> dict[str, An
     return value
 
 
+_TEXT_FILE = "a readable UTF-8 text file"
+
+
 def check_text_file(path: str | os.PathLike[str], argument: str) -> Path:
     """`path` as a Path, after checking that it is a readable, non-empty regular file of UTF-8 text."""
-    expected = "a readable UTF-8 text file"
-    file = _readable_file(path, argument, expected)
+    file = _readable_file(path, argument, _TEXT_FILE)
     decoder = codecs.getincrementaldecoder("utf-8")()
     lines = 1
     with open(file, "rb") as handle:
@@ -197,12 +199,32 @@ def check_text_file(path: str | os.PathLike[str], argument: str) -> Path:
             try:
                 decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as error:
-                line = lines + chunk.count(b"\n", 0, max(error.start, 0))
-                problem = f"is not UTF-8 text: byte {chunk[error.start : error.start + 1]!r} on line {line}"
-                raise InputFileError(argument, file, problem, expected) from None
+                raise _not_utf8(argument, file, chunk, error, lines) from None
             if not chunk:
                 return file
             lines += chunk.count(b"\n")
+
+
+def read_text_file(path: str | os.PathLike[str], argument: str) -> str:
+    """The text of `path`, opened once (a config is read once), with `check_text_file`'s checks and errors."""
+    file = _regular_file(path, argument, _TEXT_FILE)
+    try:
+        data = file.read_bytes()
+    except OSError as error:
+        raise _unreadable(error, argument, file, _TEXT_FILE) from None
+    if not data:
+        raise InputFileError(argument, file, "is empty", _TEXT_FILE)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise _not_utf8(argument, file, data, error, 1) from None
+
+
+def _not_utf8(argument: str, file: Path, data: bytes, error: UnicodeDecodeError, lines: int) -> InputFileError:
+    """The error for a byte that is not UTF-8: its line (`lines` counted before `data`) and the byte."""
+    line = lines + data.count(b"\n", 0, max(error.start, 0))
+    problem = f"is not UTF-8 text: byte {data[error.start : error.start + 1]!r} on line {line}"
+    return InputFileError(argument, file, problem, _TEXT_FILE)
 
 
 def check_gguf_file(path: str | os.PathLike[str], argument: str) -> Path:
@@ -313,8 +335,8 @@ class _GGUFReader:
 # ---- files -------------------------------------------------------------------------------------
 
 
-def _readable_file(path: object, argument: str, expected: str) -> Path:
-    """`path` as a Path: an existing, non-empty regular file this user can open."""
+def _regular_file(path: object, argument: str, expected: str) -> Path:
+    """`path` as a Path: an existing regular file (nothing opened)."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"`{argument}` must be a path to {expected} (a non-empty string), got {path!r}")
     file = Path(os.fspath(path)).expanduser()
@@ -324,13 +346,23 @@ def _readable_file(path: object, argument: str, expected: str) -> Path:
         raise InputFileError(argument, file, "is a folder, not a file", expected)
     if not file.is_file():
         raise InputFileError(argument, file, "is not a regular file", expected)
+    return file
+
+
+def _unreadable(error: OSError, argument: str, file: Path, expected: str) -> InputFileError:
+    if isinstance(error, PermissionError):
+        return InputFileError(argument, file, "cannot be read (permission denied)", expected)
+    return InputFileError(argument, file, f"cannot be read ({error.strerror or error})", expected)
+
+
+def _readable_file(path: object, argument: str, expected: str) -> Path:
+    """`path` as a Path: an existing, non-empty regular file this user can open."""
+    file = _regular_file(path, argument, expected)
     try:
         with open(file, "rb"):
             pass
-    except PermissionError:
-        raise InputFileError(argument, file, "cannot be read (permission denied)", expected) from None
     except OSError as error:
-        raise InputFileError(argument, file, f"cannot be read ({error.strerror or error})", expected) from None
+        raise _unreadable(error, argument, file, expected) from None
     if file.stat().st_size == 0:
         raise InputFileError(argument, file, "is empty", expected)
     return file

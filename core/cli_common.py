@@ -21,7 +21,7 @@ import torch
 import yaml
 from transformers.utils import logging as transformers_logging
 
-from mergecompose.core.io import refuse_output_over_inputs
+from mergecompose.core.io import read_utf8, refuse_output_over_inputs
 
 CHECK_HELP = (
     "validate everything this command needs (config, paths, outputs, extras, free disk) and stop before any "
@@ -231,8 +231,8 @@ def outputs_named_in(config: str | os.PathLike) -> list[tuple[str, str]]:
 
 def _parsed(path: Path) -> object:
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return yaml.safe_load(read_utf8(path)) if path.is_file() else None
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: the boundary's InputFileError, not UTF-8
         return None
 
 

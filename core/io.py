@@ -16,6 +16,7 @@ import shutil
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from mergecompose.core.boundary import (
     InputFileError,
-    check_text_file,
+    read_text_file,
     safetensors_problem,  # noqa: F401 - its old home; experiments import it
 )
 from mergecompose.core.locks import pid_running
@@ -228,9 +229,30 @@ def markdown_table(
 
 
 def read_utf8(path: str | os.PathLike, what: str = "file") -> str:
-    """The text of `path`, after the loading boundary's check (`check_text_file`): a readable, non-empty regular
-    file of UTF-8 text; a byte that is not UTF-8 is reported with the file, the line and the byte."""
-    return check_text_file(path, what).read_text(encoding="utf-8")
+    """The text of `path`, read through the loading boundary (`read_text_file`): a readable, non-empty regular
+    file of UTF-8 text; a byte that is not UTF-8 is reported with the file, the line and the byte. Inside
+    `one_read_per_file`, a file already read is not opened again."""
+    texts = _ONE_READ.get()
+    if texts is None:
+        return read_text_file(path, what)
+    key = Path(path).expanduser().resolve()
+    if key not in texts:
+        texts[key] = read_text_file(path, what)
+    return texts[key]
+
+
+_ONE_READ: ContextVar[dict[Path, str] | None] = ContextVar("one_read_per_file", default=None)
+
+
+@contextlib.contextmanager
+def one_read_per_file() -> Iterator[None]:
+    """Inside the block, each file read through `read_utf8` is opened once: a command's config is read once,
+    though the command line's path check and the config's loading both parse it, and both see the same text."""
+    token = _ONE_READ.set({})
+    try:
+        yield
+    finally:
+        _ONE_READ.reset(token)
 
 
 def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
@@ -250,15 +272,16 @@ def read_yaml_mapping(path: str | os.PathLike, what: str = "config") -> dict:
     return data
 
 
-def validation_message(error: ValidationError) -> str:
+def validation_message(error: ValidationError, tagged: bool = False) -> str:
     """A pydantic error as one line: `field.path: message (got value)` per problem, joined by '; '.
 
     Our own validators' messages already name the value received, and a missing field's input is
     the whole mapping, so neither gets `(got …)`; nor does a value too long to read in one line.
+    `tagged`: the error of a tagged union, whose locations start with the member's tag; it is left out.
     """
     problems = []
     for problem in error.errors():
-        where = ".".join(map(str, problem["loc"]))
+        where = ".".join(map(str, problem["loc"][1:] if tagged else problem["loc"]))
         message = f"{where}: {problem['msg']}" if where else problem["msg"]
         received = repr(problem.get("input"))
         if where and problem["type"] not in ("value_error", "missing") and len(received) <= 80:

@@ -1,6 +1,6 @@
 """Synthetic tasks and `mergecompose compare`: one generic pipeline, task types registered by name.
 
-mergecompose.experiments.registry         the `TaskType` protocol and `TASK_TYPES` (register_task_type)
+mergecompose.experiments.registry         the `TaskType` protocol; task types and compare kinds (entry points)
 mergecompose.experiments.config           the typed compare config (`load_config`)
 mergecompose.experiments.strings          the held-out rule, the rejection sampler, training batches
 mergecompose.experiments.tokenizer        the character-level transformers tokenizer
@@ -19,14 +19,11 @@ mergecompose.experiments.skills/          the sequential-skills task type
 
 from mergecompose.experiments.compare import run_compare  # noqa: E402
 from mergecompose.experiments.config import CompareConfig, load_config
-
-# Each task type registers itself on import.
 from mergecompose.experiments.letters import LettersTaskSettings, LetterTask, apply_replacements  # noqa: E402
-from mergecompose.experiments.registry import TASK_TYPES, TaskType, get_task_type, register_task_type
+from mergecompose.experiments.registry import TaskType, get_task_type, register_task_type, task_types
 from mergecompose.experiments.skills import SkillsTaskSettings  # noqa: E402
 
 __all__ = [
-    "TASK_TYPES",
     "CompareConfig",
     "LetterTask",
     "LettersTaskSettings",
@@ -36,5 +33,6 @@ __all__ = [
     "get_task_type",
     "load_config",
     "register_task_type",
+    "task_types",
     "run_compare",
 ]

@@ -101,28 +101,35 @@ def add_commands(subparsers) -> None:
     predict.set_defaults(func=run_predict_sweep_command, preflight=preflight_predict_sweep_command)
 
 
-def preflight_compare_command(args) -> None:
-    preflight_compare(load_config(args.config), args.out, args.overwrite, args.config)
+def preflight_compare_command(args):
+    """The config, read and validated once, and the compare's pre-flight, run once; `run_compare_command` gets the
+    config as `args.prepared`."""
+    config = load_config(args.config)
+    preflight_compare(config, args.out, args.overwrite, args.config)
+    return config
 
 
 def run_compare_command(args) -> int:
-    config = load_config(args.config)
     transformers_logging.disable_progress_bar()  # one "Loading weights" bar per checkpoint load otherwise
-    run_compare(config, args.out, overwrite=args.overwrite, progress=not args.quiet, threads=args.threads)
+    run_compare(
+        args.prepared, args.out, overwrite=args.overwrite, progress=not args.quiet, threads=args.threads, checked=True
+    )
     return 0
 
 
-def preflight_skills_sweep_command(args) -> None:
-    """The noise, every config (loaded and validated), and the disk for all their checkpoints."""
+def preflight_skills_sweep_command(args):
+    """The noise, every config (loaded and validated), and the disk for all their checkpoints; the configs go to
+    `run_skills_sweep_command` as `args.prepared`."""
     if args.expert_noise is not None and not args.expert_noise >= 0:
         raise ValueError(f"`--expert-noise` must be >= 0, got {args.expert_noise}")
     configs = load_sweep_configs(args.configs, args.expert_noise)
     needed = sum(synthetic_checkpoint_bytes(config) for config in configs)
     check_free_disk(args.out, needed, f"the checkpoints of {len(configs)} skills configs")
+    return configs
 
 
 def run_skills_sweep_command(args) -> int:
-    configs = load_sweep_configs(args.configs, args.expert_noise)
+    configs = args.prepared
     transformers_logging.disable_progress_bar()
     run_skills_sweep(
         configs,
@@ -135,12 +142,14 @@ def run_skills_sweep_command(args) -> int:
     return 0
 
 
-def preflight_overlap_sweep_command(args) -> None:
-    preflight_overlap_sweep(load_yaml_config(args.config, SweepConfig, "sweep config"), args.config)
+def preflight_overlap_sweep_command(args) -> SweepConfig:
+    config = load_yaml_config(args.config, SweepConfig, "sweep config")
+    preflight_overlap_sweep(config, args.config)
+    return config
 
 
 def run_overlap_sweep_command(args) -> int:
-    config = load_yaml_config(args.config, SweepConfig, "sweep config")
+    config = args.prepared
     transformers_logging.disable_progress_bar()
     results = run_sweep(
         config, args.out, overwrite=args.overwrite, progress=not args.quiet, config_path=args.config
@@ -166,12 +175,14 @@ def run_overlap_sweep_command(args) -> int:
     return 0
 
 
-def preflight_predict_sweep_command(args) -> None:
-    preflight_predict(load_yaml_config(args.config, PredictConfig, "predict config"), args.config)
+def preflight_predict_sweep_command(args) -> PredictConfig:
+    config = load_yaml_config(args.config, PredictConfig, "predict config")
+    preflight_predict(config, args.config)
+    return config
 
 
 def run_predict_sweep_command(args) -> int:
-    config = load_yaml_config(args.config, PredictConfig, "predict config")
+    config = args.prepared
     transformers_logging.disable_progress_bar()
     results = run_predict_sweep(
         config,

@@ -90,6 +90,7 @@ def run_compare(
     sections: Mapping[str, Section] | None = None,
     echo: Callable[[str], None] | None = print,
     threads: int | None = 1,
+    checked: bool = False,
 ) -> dict:
     """Run the whole comparison and write `results.json`, `results.md`, `length.png`, `config.yaml` to `out_dir`.
 
@@ -100,11 +101,15 @@ def run_compare(
     small that one thread is fastest, and several are much slower on a loaded machine.
     Returns the results dict (the content of results.json).
 
-    A config of another compare kind (`mergecompose.experiments.registry.COMPARE_KINDS`, e.g. `type: lm_eval`)
+    A config of another compare kind (`mergecompose.experiments.registry.compare_kinds`, e.g. `type: lm_eval`)
     is run by that kind's own function, under the same `threads`; `sections` apply to `CompareConfig` only.
+
+    Everything is checked first (`preflight_compare`), unless `checked`: the caller ran it on this config and
+    folder just before (the command line does, once, before `--check` would stop).
     """
     kind = compare_kind_of(config)
-    preflight_compare(config, out_dir, overwrite)
+    if not checked:
+        preflight_compare(config, out_dir, overwrite)
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

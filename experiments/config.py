@@ -10,14 +10,25 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    SerializeAsAny,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from mergecompose.composition.remedies import RemedySettings
-from mergecompose.core.io import load_yaml_config, read_yaml_mapping, validation_message
+from mergecompose.core.io import read_yaml_mapping, validation_message
 from mergecompose.core.training import OptimizerSettings
-from mergecompose.experiments.registry import COMPARE_KINDS, validate_task
+from mergecompose.experiments.registry import compare_kinds, missing_extra, validate_task
 from mergecompose.merging import METHODS, validate_merge_params
 
 DEFAULT_TASK_TYPE = "letters"
@@ -330,39 +341,72 @@ def deep_merge(base: dict, overrides: dict) -> dict:
 
 
 def load_config(path: str | Path) -> BaseModel:
-    """Read a YAML file with `yaml.safe_load` and validate it; errors name the file and the field.
+    """Read a compare config once (`yaml.safe_load`) and validate it once (`validate_compare_config`); errors name
+    the file and the field. Relative paths in it are read from the file's folder."""
+    return validate_compare_config(read_yaml_mapping(path), path)
 
-    The model is that of the compare kind registered for `task.type` (`mergecompose.experiments.registry.COMPARE_KINDS`,
-    e.g. `lm_eval`), else `CompareConfig` (the synthetic tasks).
-    """
-    data = read_yaml_mapping(path)
-    task = data.get("task")
-    task_type = task.get("type") if isinstance(task, dict) else None
-    kind = COMPARE_KINDS.get(task_type) if isinstance(task_type, str) else None
-    if kind is None and isinstance(task_type, str) and task_type in OPTIONAL_COMPARE_KINDS:
-        extra = OPTIONAL_COMPARE_KINDS[task_type]
+
+def validate_compare_config(data: dict, path: str | Path | None = None) -> BaseModel:
+    """`data` validated as one union of the compare configs, keyed on `task.type`: a compare kind's own model
+    (`mergecompose.experiments.registry.compare_kinds`, e.g. `lm_eval`), else `CompareConfig` (the synthetic
+    tasks, whose `task` block is validated by its task type's model)."""
+    where = f"{path}: " if path is not None else ""
+    task_type = _type_of(data)
+    extra = missing_extra(task_type) if isinstance(task_type, str) else None
+    if extra is not None:
         raise ValueError(
-            f"{path}: `task.type: {task_type}` needs the {extra} extra, which is not installed: "
+            f"{where}`task.type: {task_type}` needs the {extra} extra, which is not installed: "
             f'pip install "mergecompose[{extra}]"'
         )
-    if kind is None:
-        _check_no_other_kind(path, data)
-    return load_yaml_config(path, CompareConfig if kind is None else kind.config)
+    if _tag(data) == _SYNTHETIC:
+        _check_no_other_kind(where, data)
+    context = {"config_dir": Path(path).parent} if path is not None else None
+    try:
+        return _union().validate_python(data, context=context)
+    except ValidationError as error:
+        raise ValueError(f"{where}invalid config: {validation_message(error, tagged=True)}") from None
 
 
-# Compare kinds that register themselves only when their optional extra is installed: task type -> extra.
-OPTIONAL_COMPARE_KINDS = {"lm_eval": "lm-eval", "math_code": "real-model"}
+_SYNTHETIC = "synthetic"
 
 
-def _check_no_other_kind(path: str | Path, data: dict) -> None:
+def _type_of(data: dict) -> object:
+    task = data.get("task")
+    return task.get("type") if isinstance(task, dict) else None
+
+
+def _tag(value: object) -> str:
+    """The union's key: the compare kind named by `task.type` (of a mapping, or of a config model), else synthetic."""
+    kinds = compare_kinds()
+    if isinstance(value, dict):
+        task_type = _type_of(value)
+        return task_type if isinstance(task_type, str) and task_type in kinds else _SYNTHETIC
+    return next((name for name, kind in kinds.items() if isinstance(value, kind.config)), _SYNTHETIC)
+
+
+def _union() -> TypeAdapter:
+    """The compare configs as one pydantic union keyed on `task.type` (built for the kinds registered now)."""
+    kinds = compare_kinds()
+    key = tuple((name, kind.config) for name, kind in sorted(kinds.items()))
+    if key not in _UNIONS:
+        members = tuple(Annotated[model, Tag(name)] for name, model in key)
+        union = Union[(Annotated[CompareConfig, Tag(_SYNTHETIC)], *members)]  # noqa: UP007 - built at run time
+        _UNIONS[key] = TypeAdapter(Annotated[union, Discriminator(_tag)])
+    return _UNIONS[key]
+
+
+_UNIONS: dict[tuple, TypeAdapter] = {}
+
+
+def _check_no_other_kind(where: str, data: dict) -> None:
     """Refuse a config read as a synthetic comparison (no `task.type` of a compare kind) whose keys belong to a
     compare kind's config: its `task.type` was left out or misspelt, and that is what to say."""
     own = set(CompareConfig.model_fields)
-    for task_type, kind in COMPARE_KINDS.items():
+    for task_type, kind in compare_kinds().items():
         theirs = sorted(set(data) & (set(kind.config.model_fields) - own))
         if theirs:
             raise ValueError(
-                f"{path}: `task.type` is {_task_type(data)}, so this is read as a synthetic-task config, but its keys "
+                f"{where}`task.type` is {_task_type(data)}, so this is read as a synthetic-task config, but its keys "
                 f"{theirs} are those of a `task: {{type: {task_type}}}` config; set `task.type`"
             )
 

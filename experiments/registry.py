@@ -1,28 +1,28 @@
-"""Task types of `mergecompose compare`, registered by name (`task: {type: NAME, ...}` in a config).
+"""Task types and compare kinds of `mergecompose compare`, registered in one place: the entry points in
+`pyproject.toml`. The pipeline imports none of them; each is imported when a config first asks for its name.
+
+    [project.entry-points."mergecompose.task_types"]       # a config's `task:` block: name -> settings model
+    letters = "mergecompose.experiments.letters.settings:LettersTaskSettings"
+
+    [project.entry-points."mergecompose.compare_kinds"]    # a comparison with its own config: name -> CompareKind
+    lm_eval = "mergecompose.experiments.lm_eval.run:LM_EVAL_KIND"
 
 A task type is the pydantic model of a config's `task:` block. The generic pipeline
 (`mergecompose.experiments.compare`) asks it for everything task-specific, through the `TaskType` protocol below;
-nothing outside a task type's own folder branches on its name. A new task type is a new folder
-that defines such a model and registers it:
+nothing outside a task type's own folder branches on its name. A compare kind (`type: lm_eval`: given
+checkpoints, scored by lm-evaluation-harness) is a different job: its own top-level config model, its pre-flight
+and the function that runs it (`CompareKind`). `mergecompose.experiments.config.load_config` validates a config as
+one union of these models, keyed on `task.type`.
 
-    @register_task_type("letters")
-    class LettersTaskSettings(BaseModel): ...
-
-A duplicate name is an error; an unknown name lists the valid ones.
-
-**Compare kinds.** Most task types are synthetic tasks that `mergecompose.experiments.compare` trains itself, all
-configured by `mergecompose.experiments.config.CompareConfig`. A task type whose comparison is a different job
-(`type: lm_eval`: given checkpoints, scored by lm-evaluation-harness) registers a *compare kind*
-instead: its own top-level config model and the function that runs it. `mergecompose.experiments.config.load_config`
-and `mergecompose.experiments.compare.run_compare` dispatch through `COMPARE_KINDS`:
-
-    register_compare_kind("lm_eval", LmEvalCompareConfig, run_lm_eval_compare)
+A duplicate name is an error; an unknown name lists the valid ones. `register_task_type` and
+`register_compare_kind` add one at run time (a plug-in of a program that embeds the pipeline, or a test).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
@@ -79,34 +79,117 @@ class TaskType(Protocol):
         """Tokens greedy decoding may generate past a target."""
 
 
-_REGISTRY: dict[str, type[BaseModel]] = {}
-TASK_TYPES = MappingProxyType(_REGISTRY)
+TASK_TYPE_GROUP = "mergecompose.task_types"
+COMPARE_KIND_GROUP = "mergecompose.compare_kinds"
+# Compare kinds whose module needs an optional extra: task type -> the extra that installs what it imports.
+OPTIONAL_COMPARE_KINDS = {"lm_eval": "lm-eval", "math_code": "real-model"}
 
 
-def register_task_type(name: str) -> Callable[[type[BaseModel]], type[BaseModel]]:
-    """Class decorator: register a task type's settings model under `name` (a duplicate is an error)."""
+@dataclass(frozen=True)
+class CompareKind:
+    """A comparison with its own config model. `preflight(config, out_dir, overwrite, config_path)` checks before
+    any work what the run needs to its last step, loading no model and writing nothing (`mergecompose compare
+    --check`); `run(config, out_dir, overwrite=, progress=, echo=) -> results` runs it, its pre-flight passed."""
 
-    def add(cls: type[BaseModel]) -> type[BaseModel]:
-        if name in _REGISTRY:
-            raise ValueError(f"task type {name!r} is already registered (by {_REGISTRY[name].__qualname__})")
-        if name in _COMPARE_KINDS:
+    task_type: str
+    config: type[BaseModel]
+    run: Callable[..., dict]
+    preflight: Callable[..., None] | None = None
+
+
+class _Registry:
+    """The task types and compare kinds: the entry points, loaded once on first use, and those registered since."""
+
+    def __init__(self) -> None:
+        self.task_types: dict[str, type[BaseModel]] = {}
+        self.compare_kinds: dict[str, CompareKind] = {}
+        self.missing_extras: dict[str, str] = {}  # compare kind -> the extra its module needs, not installed
+        self.loaded = False
+
+    def load(self) -> None:
+        if self.loaded:
+            return
+        self.loaded = True
+        for entry in entry_points(group=TASK_TYPE_GROUP):
+            self.add_task_type(entry.name, entry.load())
+        for entry in entry_points(group=COMPARE_KIND_GROUP):
+            try:
+                kind = entry.load()
+            except ModuleNotFoundError:
+                if entry.name not in OPTIONAL_COMPARE_KINDS:
+                    raise
+                self.missing_extras[entry.name] = OPTIONAL_COMPARE_KINDS[entry.name]
+                continue
+            self.add_compare_kind(entry.name, kind)
+
+    def add_task_type(self, name: str, cls: type[BaseModel]) -> None:
+        if name in self.task_types:
+            raise ValueError(f"task type {name!r} is already registered (by {self.task_types[name].__qualname__})")
+        if name in self.compare_kinds:
             raise ValueError(f"task type {name!r} is already registered (as a compare kind)")
         missing = [
             member for member in _protocol_members() if not hasattr(cls, member) and member not in cls.model_fields
         ]
         if missing:
             raise TypeError(f"task type {name!r} ({cls.__qualname__}) lacks {missing} of the TaskType protocol")
-        _REGISTRY[name] = cls
+        self.task_types[name] = cls
+
+    def add_compare_kind(self, name: str, kind: CompareKind) -> None:
+        if not isinstance(kind, CompareKind) or kind.task_type != name:
+            raise TypeError(f"compare kind {name!r} must be a CompareKind for task type {name!r}, got {kind!r}")
+        if name in self.compare_kinds or name in self.task_types:
+            raise ValueError(f"task type {name!r} is already registered")
+        self.compare_kinds[name] = kind
+
+
+_REGISTRY = _Registry()
+
+
+def task_types() -> Mapping[str, type[BaseModel]]:
+    """Every task type: name -> its settings model (read-only)."""
+    _REGISTRY.load()
+    return MappingProxyType(_REGISTRY.task_types)
+
+
+def compare_kinds() -> Mapping[str, CompareKind]:
+    """Every compare kind whose extra is installed: task type -> its `CompareKind` (read-only)."""
+    _REGISTRY.load()
+    return MappingProxyType(_REGISTRY.compare_kinds)
+
+
+def missing_extra(task_type: str) -> str | None:
+    """The extra to install for a compare kind whose module could not be imported, else None."""
+    _REGISTRY.load()
+    return _REGISTRY.missing_extras.get(task_type)
+
+
+def register_task_type(name: str) -> Callable[[type[BaseModel]], type[BaseModel]]:
+    """Class decorator: register a task type's settings model under `name` at run time (a duplicate is an
+    error). The project's own task types are entry points (`pyproject.toml`)."""
+
+    def add(cls: type[BaseModel]) -> type[BaseModel]:
+        _REGISTRY.load()
+        _REGISTRY.add_task_type(name, cls)
         return cls
 
     return add
 
 
+def register_compare_kind(
+    task_type: str, config: type[BaseModel], run: Callable[..., dict], preflight: Callable[..., None] | None = None
+) -> None:
+    """Configs whose `task.type` is `task_type` are `config` models, run by `run` after `preflight`, from now on (a
+    duplicate is an error). The project's own compare kinds are entry points (`pyproject.toml`)."""
+    _REGISTRY.load()
+    _REGISTRY.add_compare_kind(task_type, CompareKind(task_type, config, run, preflight))
+
+
 def get_task_type(name: str) -> type[BaseModel]:
     """The settings model registered under `name`; an unknown name lists the valid ones."""
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown task type {name!r}; valid: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]
+    types = task_types()
+    if not isinstance(name, str) or name not in types:
+        raise ValueError(f"unknown task type {name!r}; valid: {sorted(types)}")
+    return types[name]
 
 
 def validate_task(value: Any, default: str) -> BaseModel:
@@ -123,32 +206,6 @@ def _protocol_members() -> list[str]:
     return [*TaskType.__annotations__, *methods]
 
 
-@dataclass(frozen=True)
-class CompareKind:
-    """A comparison with its own config model: `run(config, out_dir, overwrite=, progress=, echo=) -> results`, and
-    `preflight(config, out_dir, overwrite, config_path)`, which checks before any work what the run needs to its
-    last step, loading no model and writing nothing (`mergecompose compare --check`)."""
-
-    task_type: str
-    config: type[BaseModel]
-    run: Callable[..., dict]
-    preflight: Callable[..., None] | None = None
-
-
-_COMPARE_KINDS: dict[str, CompareKind] = {}
-COMPARE_KINDS = MappingProxyType(_COMPARE_KINDS)
-
-
-def register_compare_kind(
-    task_type: str, config: type[BaseModel], run: Callable[..., dict], preflight: Callable[..., None] | None = None
-) -> None:
-    """Configs whose `task.type` is `task_type` are `config` models, run by `run` after `preflight` (a duplicate is
-    an error)."""
-    if task_type in _COMPARE_KINDS or task_type in _REGISTRY:
-        raise ValueError(f"task type {task_type!r} is already registered")
-    _COMPARE_KINDS[task_type] = CompareKind(task_type, config, run, preflight)
-
-
 def compare_kind_of(config: BaseModel) -> CompareKind | None:
     """The compare kind whose config model `config` is, or None (a synthetic-task `CompareConfig`)."""
-    return next((kind for kind in _COMPARE_KINDS.values() if isinstance(config, kind.config)), None)
+    return next((kind for kind in compare_kinds().values() if isinstance(config, kind.config)), None)

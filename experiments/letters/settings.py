@@ -11,11 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mergecompose.experiments.evaluate import EvalData, EvalSet
 from mergecompose.experiments.letters.task import JOINT, LetterTask, apply_replacements, sample_strings
-from mergecompose.experiments.registry import register_task_type
 from mergecompose.experiments.strings import TrainingStrings, is_held_out
 
 
-@register_task_type("letters")
 class LettersTaskSettings(BaseModel):
     """The letter-replacement task: skills as data (name -> {source: replacement}); see
     `mergecompose.experiments.registry.TaskType`."""

@@ -44,7 +44,7 @@ from mergecompose.experiments.lm_eval.systems import (
     single_systems,
 )
 from mergecompose.experiments.merge_selection import best_record, search_merges
-from mergecompose.experiments.registry import register_compare_kind
+from mergecompose.experiments.registry import CompareKind
 from mergecompose.experiments.run_folder import RunFolder
 from mergecompose.experiments.systems import System, merge_name
 from mergecompose.integrations.lm_eval.quiet import quiet_lm_eval
@@ -69,6 +69,13 @@ def run_lm_eval_compare(
     (`mergecompose.integrations.lm_eval.quiet`).
     """
     check_before_work(config)
+    return _run_checked(config, out_dir, overwrite=overwrite, progress=progress, echo=echo)
+
+
+def _run_checked(
+    config: LmEvalCompareConfig, out_dir: str | Path, *, overwrite: bool, progress: bool, echo: Callable | None
+) -> dict:
+    """The run, its checks passed: `LM_EVAL_KIND.run`, which `run_compare` calls after the kind's `preflight`."""
     with _code_execution(config.allow_code_execution), quiet_lm_eval(not progress):
         return _run(config, Path(out_dir), overwrite, progress, echo)
 
@@ -261,4 +268,4 @@ class _Loader:
             torch.cuda.empty_cache()
 
 
-register_compare_kind("lm_eval", LmEvalCompareConfig, run_lm_eval_compare, preflight)
+LM_EVAL_KIND = CompareKind("lm_eval", LmEvalCompareConfig, _run_checked, preflight)  # an entry point

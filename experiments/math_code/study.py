@@ -75,7 +75,7 @@ from mergecompose.experiments.math_code.chat_data import generation_text
 from mergecompose.experiments.math_code.experts import TRAINING_RECORD, ExpertRecipe, cached_expert, train_expert
 from mergecompose.experiments.math_code.lm_eval_tasks import write_study_tasks
 from mergecompose.experiments.math_code.mixed import mixed_split
-from mergecompose.experiments.registry import register_compare_kind
+from mergecompose.experiments.registry import CompareKind
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
 from mergecompose.experiments.systems import expert_name, merge_name
 from mergecompose.integrations.gguf.fetch import MODELS, cache_root, fetch_model, model_cache_dir
@@ -364,6 +364,13 @@ def run_math_code_study(
 ) -> dict:
     """Run every stage (reusing what is cached) and write the results; returns results.json's content."""
     check_before_work(config, out_dir)
+    return _run_checked(config, out_dir, overwrite=overwrite, progress=progress, echo=echo)
+
+
+def _run_checked(
+    config: MathCodeStudyConfig, out_dir: str | os.PathLike, *, overwrite: bool, progress: bool, echo: Callable | None
+) -> dict:
+    """The run, its checks passed: `MATH_CODE_KIND.run`, which `run_compare` calls after the kind's `preflight`."""
     run = RunFolder(Path(out_dir), STUDY_FOLDER)
     config_hash = fingerprint(config)
     previous = torch.get_num_threads()
@@ -661,4 +668,4 @@ def plot_study(results: dict, path: str | os.PathLike) -> None:
     plt.close(figure)
 
 
-register_compare_kind("math_code", MathCodeStudyConfig, run_math_code_study, preflight)
+MATH_CODE_KIND = CompareKind("math_code", MathCodeStudyConfig, _run_checked, preflight)  # an entry point

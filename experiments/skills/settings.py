@@ -35,7 +35,6 @@ from pydantic import ConfigDict, Field
 
 from mergecompose.analysis.report import plot_activity_heatmap
 from mergecompose.experiments.evaluate import JOINT, EvalData, EvalSet
-from mergecompose.experiments.registry import register_task_type
 from mergecompose.experiments.skills.analysis import failure_section
 from mergecompose.experiments.skills.spec import (
     SkillsTaskSpec,
@@ -55,7 +54,6 @@ NEITHER = "neither"
 _NOT_IN_RECIPE = ("num_experts", "expert_noise", "expert_noise_seed", "activity_epsilon", "failure_margin")
 
 
-@register_task_type("skills")
 class SkillsTaskSettings(SkillsTaskSpec):
     """`task:` of a compare config for the sequential-skills family; see
     `mergecompose.experiments.skills.SkillsTaskSpec`."""

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 
 from mergecompose.core.cli_common import check_declared_paths, command_settings
-from mergecompose.core.io import validation_message
+from mergecompose.core.io import one_read_per_file, validation_message
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
 _COMMAND_MODULES = [
@@ -84,22 +84,28 @@ def run_command(args: argparse.Namespace) -> int:
     """Run a parsed command: its declared outputs checked against its inputs, then its pre-flight, before anything
     is written or loaded; with `--check`, nothing more. An expected error is one line and exit status 2."""
     try:
-        check_declared_paths(args)
-        with command_settings(getattr(args, "threads", None), getattr(args, "quiet", False)), warnings.catch_warnings():
-            warnings.simplefilter("always", UserWarning)  # what was done about the input: every time, not once
-            warnings.showwarning = _one_line_warning(args.command, warnings.showwarning)
-            preflight = getattr(args, "preflight", None)
-            if preflight is not None:
-                preflight(args)
-            if getattr(args, "check", False):
-                print(f"mergecompose {args.command}: check passed: the run can start (nothing was loaded or written)")
-                return 0
-            return int(args.func(args) or 0)
+        # A config is opened once, though the path check, the pre-flight and the command all read it.
+        with one_read_per_file():
+            check_declared_paths(args)
+            return _run_checked(args)
     except (*EXPECTED_ERRORS, ModuleNotFoundError) as error:
         if args.debug or (isinstance(error, ModuleNotFoundError) and _extra_of(error) is None):
             raise
         print(f"mergecompose {args.command}: error: {error_message(error)}", file=sys.stderr)
         return 2
+
+
+def _run_checked(args: argparse.Namespace) -> int:
+    with command_settings(getattr(args, "threads", None), getattr(args, "quiet", False)), warnings.catch_warnings():
+        warnings.simplefilter("always", UserWarning)  # what was done about the input: every time, not once
+        warnings.showwarning = _one_line_warning(args.command, warnings.showwarning)
+        preflight = getattr(args, "preflight", None)
+        # What the pre-flight loaded and checked (a config, read once) goes to the command as `args.prepared`.
+        args.prepared = preflight(args) if preflight is not None else None
+        if getattr(args, "check", False):
+            print(f"mergecompose {args.command}: check passed: the run can start (nothing was loaded or written)")
+            return 0
+        return int(args.func(args) or 0)
 
 
 def _extra_of(error: ModuleNotFoundError) -> str | None:

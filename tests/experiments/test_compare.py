@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import builtins
+import io
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -11,6 +14,8 @@ import pytest
 import yaml
 
 from mergecompose.cli import main
+from mergecompose.experiments import cli as experiments_cli
+from mergecompose.experiments import compare as compare_module
 from mergecompose.experiments.compare import run_compare
 from mergecompose.experiments.components import prepare_components
 from mergecompose.experiments.config import CompareConfig, load_config
@@ -190,6 +195,32 @@ def test_cached_rerun_through_the_cli(small_run, capsys):
     for name, record in again["systems"].items():
         assert record["splits"] == results["systems"][name]["splits"]
         assert record["by_length"] == results["systems"][name]["by_length"]
+
+
+def test_a_compare_reads_its_config_once_and_checks_once(small_run, monkeypatch):
+    """`mergecompose compare`: the config file is opened once, and the pre-flight runs once."""
+    _, config_path, out_dir, _, _ = small_run
+    opened, checks = [], []
+    real_open, real_preflight = io.open, compare_module.preflight_compare
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and Path(os.fspath(file)).resolve() == config_path.resolve():
+            opened.append(file)
+        return real_open(file, *args, **kwargs)
+
+    def counting_preflight(*args, **kwargs):
+        checks.append(args)
+        return real_preflight(*args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(compare_module, "preflight_compare", counting_preflight)
+    monkeypatch.setattr(experiments_cli, "preflight_compare", counting_preflight)
+    assert main(["compare", str(config_path), "--out", str(out_dir), "--quiet"]) == 0
+    assert len(opened) == 1 and len(checks) == 1
+    # The check counts: run from Python, the library checks for itself.
+    run_compare(load_config(config_path), out_dir, progress=False, echo=None)
+    assert len(opened) == 2 and len(checks) == 2
 
 
 def test_refuses_a_folder_of_another_config_or_no_run(small_run, tmp_path):

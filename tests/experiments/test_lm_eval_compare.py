@@ -25,7 +25,7 @@ from mergecompose.experiments.letters.settings import LettersTaskSettings
 from mergecompose.experiments.lm_eval import LmEvalCompareConfig
 from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
 from mergecompose.experiments.lm_eval.systems import build_merge, plan_merge, slug
-from mergecompose.experiments.registry import COMPARE_KINDS, register_compare_kind
+from mergecompose.experiments.registry import compare_kinds, register_compare_kind
 from mergecompose.experiments.tokenizer import build_tokenizer
 from mergecompose.merging import TaskVector
 
@@ -416,7 +416,7 @@ def test_config_errors_name_the_field(native_run, tmp_path, change, message):
 
 
 def test_a_compare_kind_is_registered_once():
-    assert COMPARE_KINDS["lm_eval"].config is LmEvalCompareConfig
+    assert compare_kinds()["lm_eval"].config is LmEvalCompareConfig
     with pytest.raises(ValueError, match="already registered"):
         register_compare_kind("lm_eval", LmEvalCompareConfig, lambda *args, **kwargs: {})
     with pytest.raises(ValueError, match="already registered"):

@@ -1,17 +1,28 @@
-"""The task-type registry: one name each, a clear error for a duplicate or an unknown name, the protocol checked."""
+"""The task-type registry: filled from the entry points in one place, one name each, a clear error for a duplicate
+or an unknown name, the protocol checked."""
 
 from __future__ import annotations
+
+from importlib.metadata import entry_points
 
 import pytest
 from pydantic import BaseModel
 
-from mergecompose.experiments import TASK_TYPES, CompareConfig, TaskType, get_task_type, load_config, register_task_type
+from mergecompose.experiments import (
+    CompareConfig,
+    TaskType,
+    get_task_type,
+    load_config,
+    register_task_type,
+    registry,
+    task_types,
+)
 from mergecompose.experiments.letters import LettersTaskSettings
 from mergecompose.experiments.skills import SkillsTaskSettings
 
 
 def test_both_task_types_are_registered_and_satisfy_the_protocol():
-    assert dict(TASK_TYPES) == {"letters": LettersTaskSettings, "skills": SkillsTaskSettings}
+    assert dict(task_types()) == {"letters": LettersTaskSettings, "skills": SkillsTaskSettings}
     assert isinstance(LettersTaskSettings(), TaskType)
     assert get_task_type("skills") is SkillsTaskSettings
 
@@ -19,7 +30,7 @@ def test_both_task_types_are_registered_and_satisfy_the_protocol():
 def test_a_duplicate_name_is_an_error_and_leaves_the_registry_as_it_was():
     with pytest.raises(ValueError, match="task type 'letters' is already registered"):
         register_task_type("letters")(LettersTaskSettings)
-    assert TASK_TYPES["letters"] is LettersTaskSettings
+    assert task_types()["letters"] is LettersTaskSettings
 
 
 def test_an_unknown_name_lists_the_valid_ones():
@@ -36,7 +47,7 @@ def test_a_type_missing_part_of_the_protocol_is_refused():
 
     with pytest.raises(TypeError, match="lacks .*'eval_data'"):
         register_task_type("half")(Half)
-    assert "half" not in TASK_TYPES
+    assert "half" not in task_types()
 
 
 def test_the_config_picks_the_model_by_type_and_defaults_to_letters():
@@ -46,3 +57,14 @@ def test_the_config_picks_the_model_by_type_and_defaults_to_letters():
     skills = load_config("configs/skills_k3_test.yaml")
     assert type(skills.task) is SkillsTaskSettings and skills.model_dump(mode="json")["task"]["type"] == "skills"
     assert CompareConfig.model_validate(skills.model_dump(mode="json")) == skills  # round trip
+
+
+def test_the_registry_is_filled_from_the_entry_points_not_by_imports(monkeypatch):
+    """Every task type and compare kind is an entry point of the package; a registry without entry points is
+    empty though every module that defines one is imported already (nothing registers itself on import)."""
+    assert {entry.name for entry in entry_points(group=registry.TASK_TYPE_GROUP)} == set(task_types())
+    assert {entry.name for entry in entry_points(group=registry.COMPARE_KIND_GROUP)} == set(registry.compare_kinds())
+    assert set(registry.compare_kinds()) == {"lm_eval", "math_code"}
+    monkeypatch.setattr(registry, "_REGISTRY", registry._Registry())
+    monkeypatch.setattr(registry, "entry_points", lambda group: [])
+    assert dict(task_types()) == {} and dict(registry.compare_kinds()) == {}
