@@ -298,6 +298,9 @@ RECIPES: dict[str, Recipe] = {
     "mergecompose.core.boundary.check_text_file": Recipe(
         "config", "", lambda p: lambda: boundary.check_text_file(p.config, "config")
     ),
+    "mergecompose.core.boundary.read_text_file": Recipe(
+        "config", "", lambda p: lambda: boundary.read_text_file(p.config, "config")
+    ),
     "mergecompose.core.boundary.check_gguf_file": Recipe(
         "gguf", "", lambda p: lambda: boundary.check_gguf_file(p.gguf, "gguf_file")
     ),
