@@ -204,7 +204,7 @@ class Workbench:
             self.systems["base"] = self._run_base
         if {"full", "full+spec"} & set(systems):
             # Its own copy of the base: a composition of full models replaces their linears' forwards while it is
-            # open (composition/few_rows.py), and (a) runs transformers' `generate` on a model left as it is.
+            # open (composition/kernels/few_rows.py), and (a) runs transformers' `generate` on a model left as it is.
             self.full = ComposedLM(fresh_base(), experts)
         if {"lora", "lora+spec"} & set(systems):
             self.lora = ComposedLM.from_adapters(fresh_base(), adapters, lora_implementation=args.lora_implementation)

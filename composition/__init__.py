@@ -1,6 +1,5 @@
 """Probability-space composition: log p̂ = log p_b + Σ_i w_i (log p_i − log p_b), renormalised."""
 
-from mergecompose.composition.acceptance import outcome_probabilities
 from mergecompose.composition.config import DecodingConfig
 from mergecompose.composition.model import ComposedLM
 from mergecompose.composition.remedies import (
@@ -12,7 +11,8 @@ from mergecompose.composition.remedies import (
     compose_with_remedies_unchecked,
 )
 from mergecompose.composition.rule import check_composition, compose_logprobs, compose_logprobs_unchecked
-from mergecompose.composition.speculative import SpeculationStats
+from mergecompose.composition.speculative.acceptance import outcome_probabilities
+from mergecompose.composition.speculative.decoding import SpeculationStats
 
 __all__ = [
     "ActivityGate",

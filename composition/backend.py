@@ -2,7 +2,7 @@
 
 Two backends implement it: `SeparateModels` (separate_models.py), one full model and one cache per
 component, and `SharedAdapters` (shared_adapters.py), k LoRA adapters on one base, every component in
-one pass over a replicated batch, with stacked LoRA products (stacked_lora.py) or peft's mixed batches.
+one pass over a replicated batch, with stacked LoRA products (kernels/stacked_lora.py) or peft's mixed batches.
 A draft model is a one-component `SeparateModels`.
 """
 

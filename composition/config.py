@@ -65,7 +65,7 @@ class DecodingConfig:
     does) so that it fits, with a warning that says how many. The returned rows then start
     with the kept part of the prompt.
 
-    **Speculative decoding** (speculative.py): with `draft`, a draft model proposes
+    **Speculative decoding** (speculative/decoding.py): with `draft`, a draft model proposes
     up to `num_draft_tokens` = K_max tokens a round (default 4), the components score
     all K+1 positions in one pass each, and the acceptance rule of Leviathan et al. (2023)
     keeps the output exactly that of decoding without a draft: greedy, token for token (up to
@@ -79,7 +79,7 @@ class DecodingConfig:
     tokenizer (`draft_tokenizer`). Rows of a batch accept their own numbers of tokens.
     `speculation_stats` then says what happened (acceptance rate, tokens per round).
     With `adaptive_draft` (default True) each round's K is chosen from 0…K_max by the acceptance
-    rate and the round times seen so far (draft_length.py), K = 0 being a plain decoding step: where
+    rate and the round times seen so far (speculative/draft_length.py), K = 0 being a plain decoding step: where
     drafting costs more than it saves, decoding falls back to plain steps and tries a draft again now
     and then. Greedy output stays token for token that of plain decoding; sampled draws then depend
     on timings too, so pass `adaptive_draft=False` (K fixed at `num_draft_tokens`) for draws that
@@ -117,15 +117,20 @@ class DecodingConfig:
 
     @classmethod
     def from_arguments(cls, config: DecodingConfig | None, **arguments: Any) -> DecodingConfig:
-        """`generate`'s keyword arguments as a config; with `config`, its fields, replaced by the arguments
-        that differ from their defaults."""
+        """`generate`'s decoding options as a config: `config`'s fields (or the defaults), replaced by each option
+        given. An unknown option is a TypeError that lists the known ones."""
+        if config is not None and not isinstance(config, DecodingConfig):
+            raise TypeError(f"`config` must be a DecodingConfig or None, got {type(config).__name__}")
+        known = [option.name for option in fields(cls)]
+        unknown = sorted(set(arguments) - set(known))
+        if unknown:
+            raise TypeError(
+                f"`generate` got unknown options {unknown}; the decoding options (DecodingConfig) are {known}, and "
+                f"the other arguments {list(GENERATE_INPUTS)}"
+            )
         if config is None:
             return cls(**arguments)
-        if not isinstance(config, DecodingConfig):
-            raise TypeError(f"`config` must be a DecodingConfig or None, got {type(config).__name__}")
-        defaults = {option.name: option.default for option in fields(cls)}
-        given = {name: value for name, value in arguments.items() if not _is_default(value, defaults[name])}
-        return replace(config, **given) if given else config
+        return replace(config, **arguments) if arguments else config
 
     @property
     def draft_tokens(self) -> int:
@@ -239,6 +244,48 @@ class DecodingConfig:
             raise ValueError("`draft_lambda` sets the λ_i of draft='merged'; a draft model is used as given")
 
 
-def _is_default(value: object, default: object) -> bool:
-    """Whether a keyword argument of `generate` was left at its default (or given as the same value and type)."""
-    return value is default or (type(value) is type(default) and value == default)
+# The arguments of `generate` that are not decoding options: the prompt's positions and the generated tokens'
+# (inputs of the model, as in transformers' forward), the tokenizer that matches stop strings, and the streamer.
+GENERATE_INPUTS = ("position_ids", "generated_position_ids", "tokenizer", "streamer")
+# `generate`'s positional arguments after `attention_mask` before 0.2, in order; deprecated for one release.
+_OLD_POSITIONAL = (
+    "max_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "eos_token_id",
+    "pad_token_id",
+    "seed",
+    "position_ids",
+    "generated_position_ids",
+)
+
+
+def decoding_arguments(
+    config: object, positional: Sequence[object], options: dict[str, Any], inputs: dict[str, Any]
+) -> tuple[DecodingConfig, dict[str, Any]]:
+    """`generate`'s arguments after `attention_mask` as (its `DecodingConfig`, its `inputs`: `GENERATE_INPUTS`
+    other than the tokenizer and the streamer). `config`, `positional` and `options` are as `generate` got them; the
+    old positional form, `generate(ids, mask, 32, False, …)` (`config` holding what came third, `max_new_tokens`),
+    gives a DeprecationWarning and still works for one release."""
+    if positional or is_integer(config):
+        values = (config, *positional)
+        if len(values) > len(_OLD_POSITIONAL):
+            raise TypeError(
+                f"`generate` takes at most {len(_OLD_POSITIONAL)} arguments after `attention_mask` in the old "
+                f"positional form ({', '.join(_OLD_POSITIONAL)}), got {len(values)}; pass options by keyword"
+            )
+        warnings.warn(
+            "passing decoding options to `ComposedLM.generate` by position is deprecated and will be removed in the "
+            "next release; pass them by keyword (`max_new_tokens=...`) or as `config=DecodingConfig(...)`",
+            DeprecationWarning,
+            stacklevel=4,  # decoding_arguments, generate, torch.no_grad's wrapper, the caller
+        )
+        named = dict(zip(_OLD_POSITIONAL, values))
+        twice = sorted(name for name in named if options.get(name) is not None or inputs.get(name) is not None)
+        if twice:
+            raise TypeError(f"`generate` got {twice} both by position and by keyword")
+        inputs = {**inputs, **{name: named.pop(name) for name in list(named) if name in inputs}}
+        config, options = None, {**named, **options}
+    return DecodingConfig.from_arguments(config, **options), inputs  # type: ignore[arg-type]

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from mergecompose.core.adapters import merged_adapter_model
-from mergecompose.core.boundary import check_model_or_adapter
+from mergecompose.composition.records import check_saved_tensors_fit, checkpoint_vocabulary
+from mergecompose.composition.rule import check_weights
+from mergecompose.core.adapters import check_adapter_names, merged_adapter_model, warn_if_made_for_another_base
+from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter
 
 # How `from_adapters` runs the LoRA experts in one batched pass (`SharedAdapters`).
 LORA_IMPLEMENTATIONS = ("stacked", "peft")
@@ -144,3 +147,42 @@ def load_experts(
 def _name_from_path(source: str | os.PathLike[str], index: int) -> str:
     name = Path(str(source).rstrip("/")).name.replace(".", "_") or f"expert_{index}"
     return name if name != "__base__" else f"expert_{index}"
+
+
+@dataclass(frozen=True)
+class PretrainedSources:
+    """What `ComposedLM.from_pretrained` loads, checked: the base folder, which experts are adapters, their names,
+    the base's tokenizer and the keyword arguments of `from_pretrained`."""
+
+    base: str
+    is_adapter: list[bool]
+    names: list[str]
+    tokenizer: PreTrainedTokenizerBase | None
+    model_kwargs: dict[str, Any]
+
+
+def check_pretrained_sources(
+    base: str | os.PathLike[str],
+    experts: Sequence[str | os.PathLike[str]],
+    weights: Sequence[float] | None,
+    names: Sequence[str] | None,
+    lora_implementation: str,
+    model_kwargs: dict[str, Any],
+) -> PretrainedSources:
+    """Everything `ComposedLM.from_pretrained` checks before any weights load (its docstring says what)."""
+    if len(experts) == 0:
+        raise ValueError("`experts` must name at least one checkpoint or adapter, got none")
+    check_weights(weights, len(experts))
+    base = check_checkpoint(base, "base", adapter_hint="give its base as `base` and the adapter as an expert")
+    is_adapter = [is_adapter_source(expert, f"experts[{index}]") for index, expert in enumerate(experts)]
+    names = check_names(names_from_paths(experts) if names is None else names, len(experts))
+    if all(is_adapter):
+        check_adapter_names(names)
+        check_adapter_arguments(dict(zip(names, experts)), None, lora_implementation)
+    tokenizer = load_tokenizer(base)
+    checkpoint_vocabulary(base, experts, is_adapter, tokenizer, model_kwargs.get("trust_remote_code", False))
+    for index, (expert, adapter) in enumerate(zip(experts, is_adapter)):
+        if adapter:
+            check_saved_tensors_fit(base, expert, f"experts[{index}]")
+            warn_if_made_for_another_base(expert, base, f"experts[{index}]")
+    return PretrainedSources(str(base), is_adapter, list(names), tokenizer, attention_that_caps(base, model_kwargs))

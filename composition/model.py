@@ -3,7 +3,7 @@
 The components run behind one interface (`Backend`, backend.py): k+1 full models, one KV cache each
 (`SeparateModels`), or k LoRA adapters on one base, every component in one pass (`SharedAdapters`).
 `generate` checks its options once (`DecodingConfig`), prepares the prompt (inputs.py) and hands it to
-the plain decoding loop (sampling.py) or, with a draft, to the speculative one (speculative.py).
+the plain decoding loop (sampling.py) or, with a draft, to the speculative one (speculative/decoding.py).
 
 `close()` (or leaving a `with` block) gives the caller's base model back as it was.
 """
@@ -16,33 +16,30 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.generation.streamers import BaseStreamer
 
 from mergecompose.composition.architecture import check_vocabularies, context_length
 from mergecompose.composition.backend import Backend
-from mergecompose.composition.config import DecodingConfig
-from mergecompose.composition.few_rows import FewRowKernel
+from mergecompose.composition.config import DecodingConfig, decoding_arguments
 from mergecompose.composition.inputs import check_context, checked_logprobs, prepare_inputs, prepare_prompt
+from mergecompose.composition.kernels.few_rows import FewRowKernel
+from mergecompose.composition.kernels.mixed_head import can_mix, decoding_backend
 from mergecompose.composition.loading import (
-    attention_that_caps,
     check_adapter_arguments,
     check_names,
+    check_pretrained_sources,
     check_tokenizers,
-    is_adapter_source,
     load_experts,
-    load_tokenizer,
-    names_from_paths,
 )
-from mergecompose.composition.mixed_head import MixedHead, can_mix, compose_mixed, compose_mixed_checked, exponents
-from mergecompose.composition.records import check_saved_tensors_fit, checkpoint_vocabulary, with_vocabulary
-from mergecompose.composition.remedies import compose_with_remedies, step_composer
+from mergecompose.composition.records import with_vocabulary
+from mergecompose.composition.remedies import compose_with_remedies
 from mergecompose.composition.rule import check_weights
-from mergecompose.composition.sampling import NAN_COMPOSITION, Sampler, sample
+from mergecompose.composition.sampling import Sampler, TokenStream, sample
 from mergecompose.composition.separate_models import SeparateModels
 from mergecompose.composition.shared_adapters import SharedAdapters
-from mergecompose.composition.speculative import SpeculationStats, speculative_decode
+from mergecompose.composition.speculative.decoding import SpeculationStats, speculate
 from mergecompose.composition.stops import Stopping, special_ids, stop_criteria
-from mergecompose.core.adapters import check_adapter_names, warn_if_made_for_another_base
-from mergecompose.core.boundary import check_checkpoint
+from mergecompose.core.adapters import warn_if_made_for_another_base
 
 _CLOSED = "this ComposedLM was closed and has given its models back; build a new one to compose again"
 
@@ -113,7 +110,8 @@ class ComposedLM:
         self._merged_drafts: dict[tuple[float, ...], PreTrainedModel] = {}
         self._draft_kernel = FewRowKernel()  # the few-row kernel's choice for the drafts' passes, kept across calls
         # LoRA experts on one base without remedies: `generate` mixes the last hidden states before the shared output
-        # layer (mixed_head.py), equal to the rule up to float rounding; False computes every component's logits.
+        # layer (kernels/mixed_head.py), equal to the rule up to float rounding; False computes every component's
+        # logits.
         self.mix_before_head = True
         self._can_mix: bool | None = None
         # What the last `generate(draft=...)` did (None after a call without a draft).
@@ -141,7 +139,7 @@ class ComposedLM:
         "stacked", the forward of each of its `nn.Linear` is replaced by one that adds the LoRA
         products inside this object's forward passes only; with "peft", LoRA layers are injected
         into it), frozen and put in eval mode. With "stacked" on a CPU, the float32 weights of its
-        decoder linears are meanwhile held in oneDNN's packed layout (few_rows.py): the parameters
+        decoder linears are meanwhile held in oneDNN's packed layout (kernels/few_rows.py): the parameters
         keep their identity but hold empty tensors, `state_dict()` gives the dense weights. `close()`
         (or leaving a `with` block) undoes all of it: same modules, parameters, flags and outputs as
         before, the weights bit for bit. `lora_implementation` picks
@@ -204,30 +202,14 @@ class ComposedLM:
         A full checkpoint records no base it was fine-tuned from: an expert fine-tuned from another model
         of the same shapes and vocabulary cannot be detected.
         """
-        if len(experts) == 0:
-            raise ValueError("`experts` must name at least one checkpoint or adapter, got none")
-        check_weights(weights, len(experts))
-        base = check_checkpoint(base, "base", adapter_hint="give its base as `base` and the adapter as an expert")
-        is_adapter = [is_adapter_source(expert, f"experts[{index}]") for index, expert in enumerate(experts)]
-        names = check_names(names_from_paths(experts) if names is None else names, len(experts))
-        if all(is_adapter):
-            check_adapter_names(names)
-            check_adapter_arguments(dict(zip(names, experts)), None, lora_implementation)
-        tokenizer = load_tokenizer(base)
-        checkpoint_vocabulary(base, experts, is_adapter, tokenizer, model_kwargs.get("trust_remote_code", False))
-        for index, (expert, adapter) in enumerate(zip(experts, is_adapter)):
-            if adapter:
-                check_saved_tensors_fit(base, expert, f"experts[{index}]")
-                warn_if_made_for_another_base(expert, base, f"experts[{index}]")
-        model_kwargs = attention_that_caps(base, model_kwargs)
-        base_model = AutoModelForCausalLM.from_pretrained(base, **model_kwargs).eval()
-        if all(is_adapter):
+        sources = check_pretrained_sources(base, experts, weights, names, lora_implementation, model_kwargs)
+        base_model = AutoModelForCausalLM.from_pretrained(sources.base, **sources.model_kwargs).eval()
+        tokenizer, names = sources.tokenizer, sources.names
+        if all(sources.is_adapter):
             adapters = dict(zip(names, experts))
             return cls._on_shared_base(base_model, adapters, weights, tokenizer, lora_implementation, remedies)
-        expert_models, tokenizers = load_experts(base, experts, is_adapter, model_kwargs, tokenizer)
-        return cls(base_model, expert_models, weights, tokenizers, remedies=remedies, names=names)
-
-    # ------------------------------------------------------------------ giving the models back
+        models, tokenizers = load_experts(sources.base, experts, sources.is_adapter, sources.model_kwargs, tokenizer)
+        return cls(base_model, models, weights, tokenizers, remedies=remedies, names=names)
 
     def close(self) -> None:
         """Give the caller's models back as they were; idempotent.
@@ -254,8 +236,6 @@ class ComposedLM:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(_CLOSED)
-
-    # ------------------------------------------------------------------ teacher-forced scoring
 
     @property
     def backend(self) -> Backend:
@@ -313,74 +293,38 @@ class ComposedLM:
         components = self.component_logprobs(input_ids, attention_mask, position_ids)  # (k+1, B, T, V)
         return compose_with_remedies(components, self.weights, self.remedies)
 
-    # ------------------------------------------------------------------ generation
-
     @torch.no_grad()
     def generate(
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        max_new_tokens: int = 32,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-        pad_token_id: int | None = None,
-        seed: int | None = None,
+        config: DecodingConfig | None = None,
+        *old_positional: Any,
         position_ids: torch.Tensor | None = None,
         generated_position_ids: torch.Tensor | None = None,
-        *,
-        stop_strings: str | Sequence[str] | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
-        truncate: bool = False,
-        draft: str | PreTrainedModel | None = None,
-        num_draft_tokens: int | None = None,
-        draft_lambda: Sequence[float] | None = None,
-        draft_tokenizer: PreTrainedTokenizerBase | None = None,
-        adaptive_draft: bool = True,
-        config: DecodingConfig | None = None,
+        streamer: BaseStreamer | None = None,
+        **options: Any,
     ) -> torch.Tensor:
-        """Decode from the composed distribution with one KV cache per component (or one shared one).
+        """Decode from the composed distribution; returns `(B, T + n)`, the prompt and n ≤ max_new_tokens tokens.
 
-        `input_ids` is `(B, T)`, left-padded when rows differ in length (`attention_mask` 0 on the
-        left). Returns `(B, T + n)` with n ≤ max_new_tokens: the prompt followed by the generated
-        tokens. A row is finished at the step where it emits EOS or completes a stop string; its
-        last token stays, later positions are `pad_token_id`, and decoding ends when every row is
-        finished (n < max_new_tokens) or after `max_new_tokens`. In sampling, the token drawn from
-        the composed distribution is appended to every component's row.
+        `input_ids` `(B, T)`, left-padded where rows differ in length (`attention_mask` 0 on the left). The
+        decoding options are the fields of a `DecodingConfig`, whose docstring says what each does: `config`, and
+        keyword `options` that replace its fields (`max_new_tokens=8`, `do_sample=True`, `draft="merged"`, …);
+        all are checked before any model runs. A row finishes at its EOS or stop string (that token kept, pad
+        after it); decoding ends when every row has finished or after `max_new_tokens`. With a `draft`,
+        `speculation_stats` says what happened.
 
-        Positions default to each row's token count (left padding skipped), continuing by one per
-        generated token. A task that couples output positions to input positions can give
-        `position_ids` `(B, T)` for the prompt and `generated_position_ids` `(B, max_new_tokens)`,
-        the position of each generated token. `tokenizer` (default this ComposedLM's) matches
-        `stop_strings`.
-
-        The other keyword arguments are the fields of a `DecodingConfig`, whose docstring says what
-        each does: EOS and pad ids, stop strings, `truncate`, and speculative decoding with `draft`
-        (after which `speculation_stats` says what happened). They are checked before any model runs.
-        `config` gives a `DecodingConfig` instead; keyword arguments that differ from their defaults
-        then replace its fields.
+        Not decoding options: `position_ids` `(B, T)` and `generated_position_ids` `(B, max_new_tokens)`, the
+        positions of the prompt and of each generated token (inputs of the model; default each row's token count,
+        left padding skipped, then one more per token); `tokenizer` (default this ComposedLM's), which matches
+        `stop_strings`; `streamer`, transformers' `TextStreamer` or any `BaseStreamer`, for one row: `put` the
+        prompt, then the new tokens as they are decided, and `end()`. Options passed by position
+        (`generate(ids, mask, 32, False)`) still work for one release, with a DeprecationWarning.
         """
         self._check_open()
-        config = DecodingConfig.from_arguments(
-            config,
-            max_new_tokens=max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            seed=seed,
-            stop_strings=stop_strings,
-            truncate=truncate,
-            draft=draft,
-            num_draft_tokens=num_draft_tokens,
-            draft_lambda=draft_lambda,
-            draft_tokenizer=draft_tokenizer,
-            adaptive_draft=adaptive_draft,
-        )
+        inputs = {"position_ids": position_ids, "generated_position_ids": generated_position_ids}
+        config, inputs = decoding_arguments(config, old_positional, options, inputs)
         config.check_draft_fits(
             self.num_experts, self.device, self.vocab_size, self.tokenizer, self.backend.shares_one_base
         )
@@ -388,59 +332,51 @@ class ComposedLM:
         prompt = prepare_prompt(
             input_ids,
             attention_mask,
-            position_ids,
-            generated_position_ids,
+            **inputs,
             max_new_tokens=config.max_new_tokens,
             truncate=config.truncate,
             vocabulary=self.vocab_size,
             context=self.context_length,
             device=self.device,
         )
+        stream = TokenStream.check(streamer, prompt.input_ids)
         eos_ids, pad_id = special_ids(
             config.eos_token_id, config.pad_token_id, self.generation_config, self.vocab_size, self.device
         )
-        sampler = Sampler.from_config(config, self.device)
+        stopping, sampler = Stopping(eos_ids, pad_id, criteria), Sampler.from_config(config, self.device)
         self.speculation_stats = None
-        compose = step_composer(self.weights, self.remedies, self.vocab_size, checked=config.do_sample)
-        stopping = Stopping(eos_ids, pad_id, criteria)
-        backend: Backend = self.backend
-        if isinstance(self.backend, SharedAdapters) and self._mixes_before_head():
-            backend = MixedHead(self.backend, exponents(self.weights, self.num_experts))
-            compose = compose_mixed_checked if config.do_sample else compose_mixed
-        draft_backend = None
+        mix = isinstance(self.backend, SharedAdapters) and self._mixes_before_head()
+        backend, compose = decoding_backend(
+            self.backend, mix, self.weights, self.num_experts, self.remedies, self.vocab_size, config.do_sample
+        )
         try:
             if config.draft is None:
-                return sample(backend, compose, prompt, stopping, sampler)
-            draft_model = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
-            draft_backend = SeparateModels([draft_model], self._draft_kernel)
-            sequences, self.speculation_stats, invalid = speculative_decode(
-                backend, draft_backend, compose, prompt, stopping, sampler, config.draft_tokens, config.adaptive_draft
-            )
+                sequences = sample(backend, compose, prompt, stopping, sampler, stream)
+            else:
+                draft = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
+                sequences, self.speculation_stats = speculate(
+                    backend, draft, self._draft_kernel, compose, prompt, stopping, sampler, config, stream
+                )
         finally:
-            if draft_backend is not None:
-                draft_backend.close()  # the draft's linears get their own forwards back
             if backend is not self.backend:
                 backend.close()  # the output layer's hook
-        if invalid:
-            raise ValueError(NAN_COMPOSITION)
+        stream.end()
         return sequences
 
     def _mixes_before_head(self) -> bool:
-        """Whether `generate` mixes the components' last hidden states before one output layer pass (mixed_head.py):
-        `mix_before_head` on, no remedies, and a backend that allows it (checked once)."""
+        """Whether `generate` mixes the components' last hidden states before one output layer pass
+        (kernels/mixed_head.py): `mix_before_head` on, no remedies, and a backend that allows it (checked once)."""
         if not self.mix_before_head or self.remedies:
             return False
         if self._can_mix is None:
             self._can_mix = can_mix(self.backend)
         return self._can_mix
 
-    # ------------------------------------------------------------------ drafts
-
     def merged_draft(self, draft_lambda: Sequence[float] | None = None) -> PreTrainedModel:
         """The task-arithmetic merge of this composition's experts, θ_b + Σ_i λ_i (θ_i − θ_b), as a model.
 
         λ_i defaults to the composition's weights w_i. Full experts are merged tensor by tensor
-        (`mergecompose.merging.merge`, drafts.py); LoRA experts add λ_i ΔW_i to a copy of the
+        (`mergecompose.merging.merge`, speculative/drafts.py); LoRA experts add λ_i ΔW_i to a copy of the
         base (`merged_lora_draft`). Tensors the merge leaves unchanged are shared with the base.
         Built once per λ and kept until `close()`."""
         self._check_open()

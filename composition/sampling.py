@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.streamers import BaseStreamer
 
 from mergecompose.composition.backend import Backend
 from mergecompose.composition.config import DecodingConfig
@@ -77,8 +78,46 @@ class Sampler:
         return warped_probabilities(self.warpers, scores)
 
 
+class TokenStream:
+    """The tokens of one row as they are decided, handed to transformers' streamer protocol (`BaseStreamer`:
+    `put(tokens)`, `end()`), as its `generate` hands them: the prompt first, then the new tokens, then `end()`."""
+
+    def __init__(self, streamer: BaseStreamer | None) -> None:
+        self.streamer = streamer
+
+    @classmethod
+    def check(cls, streamer: BaseStreamer | None, input_ids: torch.Tensor) -> TokenStream:
+        """The stream of `streamer` for the prompt `input_ids` `(B, P)`, which is put at once; one row only."""
+        if streamer is not None:
+            if not callable(getattr(streamer, "put", None)) or not callable(getattr(streamer, "end", None)):
+                raise TypeError(f"`streamer` must have put() and end() (a BaseStreamer), got {type(streamer).__name__}")
+            if input_ids.shape[0] != 1:
+                raise ValueError(f"`streamer` streams one row: a batch of 1 prompt, got {input_ids.shape[0]}")
+            streamer.put(input_ids.cpu())
+        return cls(streamer)
+
+    def put(self, tokens: torch.Tensor) -> None:
+        """`tokens` `(n,)`, the row's new tokens."""
+        if self.streamer is not None and tokens.numel():
+            self.streamer.put(tokens.cpu())
+
+    def end(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
+
+
+NO_STREAM = TokenStream(None)
+
+
 @torch.no_grad()
-def sample(backend: Backend, compose: Compose, prompt: Prompt, stopping: Stopping, sampler: Sampler) -> torch.Tensor:
+def sample(
+    backend: Backend,
+    compose: Compose,
+    prompt: Prompt,
+    stopping: Stopping,
+    sampler: Sampler,
+    stream: TokenStream = NO_STREAM,
+) -> torch.Tensor:
     """Decode up to `prompt.max_new_tokens` tokens; returns `(B, P + n)`, the prompt and the generated tokens.
 
     Greedy steps are checked for NaN on the device and the flag is read once at the end, so the loop
@@ -121,6 +160,7 @@ def sample(backend: Backend, compose: Compose, prompt: Prompt, stopping: Stoppin
             sequences[:, length] = next_tokens
         else:
             sequences[live, length] = next_tokens
+        stream.put(next_tokens)  # (1,) where a streamer is given
         length += 1
         generated = (sequences if live is None else sequences[live])[:, prompt_length:length]
         unfinished = stopping.unfinished_after(unfinished, next_tokens, generated)

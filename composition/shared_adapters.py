@@ -4,7 +4,7 @@ Rows are component-major: `[base | expert_1 | … | expert_k]`, B rows each. Two
 give the same numbers (pinned in tests):
 
 * "stacked" (default, faster): the LoRA products of all experts are added with one batched
-  matmul per module (`StackedLoRA`, stacked_lora.py), on the plain base model.
+  matmul per module (`StackedLoRA`, kernels/stacked_lora.py), on the plain base model.
 * "peft": peft's mixed-adapter batch, `adapter_names=["__base__"]*B + [name_1]*B + ...`.
 """
 
@@ -20,9 +20,9 @@ from transformers import PreTrainedModel
 
 from mergecompose.composition.architecture import cache_kwarg
 from mergecompose.composition.backend import Caches
-from mergecompose.composition.drafts import merged_lora_draft
+from mergecompose.composition.kernels.stacked_lora import StackedLoRA, StackedLoRAUnsupported
 from mergecompose.composition.kv_cache import GrowingCache
-from mergecompose.composition.stacked_lora import StackedLoRA, StackedLoRAUnsupported
+from mergecompose.composition.speculative.drafts import merged_lora_draft
 from mergecompose.core.adapters import TrainingFlags, load_adapters_on_base
 from mergecompose.core.boundary import check_adapter
 
@@ -111,7 +111,7 @@ class SharedAdapters:
     ) -> torch.Tensor:
         """Return logits (k+1, B, T', V): the batch runs once, replicated per component.
 
-        `mixed`: the output layer's input is mixed to B rows (a hook of `MixedHead`, mixed_head.py); the
+        `mixed`: the output layer's input is mixed to B rows (a hook of `MixedHead`, kernels/mixed_head.py); the
         logits are then (1, B, T', V)."""
         n = len(self.components)
         batch = input_ids.shape[0]

@@ -109,7 +109,8 @@ def test_padded_expert_composes_as_the_unpadded_one(base_model, expert_models, p
     torch.testing.assert_close(with_padding.logprobs(ids, mask), plain.logprobs(ids, mask), rtol=0, atol=1e-5)
     options = dict(max_new_tokens=8, do_sample=do_sample, seed=3, eos_token_id=2, pad_token_id=0)
     assert torch.equal(with_padding.generate(ids, mask, **options), plain.generate(ids, mask, **options))
-    # A fixed K: with the adaptive one, which tokens a seed draws depends on timings (composition/draft_length.py).
+    # A fixed K: with the adaptive one, which tokens a seed draws depends on timings
+    # (composition/speculative/draft_length.py).
     merged = dict(options, draft="merged", num_draft_tokens=2, adaptive_draft=False)
     assert torch.equal(with_padding.generate(ids, mask, **merged), plain.generate(ids, mask, **merged))
 

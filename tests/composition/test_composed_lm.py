@@ -6,10 +6,11 @@ from dataclasses import replace
 import pytest
 import torch
 from peft import PeftModel
-from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM, TextStreamer
+from transformers.generation.streamers import BaseStreamer
 
 from mergecompose.composition import ComposedLM, DecodingConfig, compose_logprobs
-from mergecompose.composition.few_rows import PACKED
+from mergecompose.composition.kernels.few_rows import PACKED
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama, random_lora_adapter, tiny_llama_config
 
 
@@ -86,7 +87,7 @@ def test_from_adapters_keeps_one_copy_of_the_base(implementation, tiny_config, l
     assert composed.backend.implementation == implementation
     model = composed.backend.model
     base_weights = [p for n, p in model.named_parameters() if "lora_" not in n]
-    # The stacked path holds the linears' weights packed (few_rows.py): their parameters are empty meanwhile.
+    # The stacked path holds the linears' weights packed (kernels/few_rows.py): their parameters are empty meanwhile.
     held_packed = [m.__dict__[PACKED] for m in model.modules() if PACKED in m.__dict__]
     # Siblings (q/k/v, gate/up) share one packed tensor, which may hold the LoRA factors A too (extra rows).
     packs = list({id(p): p for p in (getattr(h, "group", h) for h in held_packed)}.values())
@@ -329,7 +330,7 @@ def test_a_decoding_config_decodes_as_its_keyword_arguments(composed_full):
     options = dict(max_new_tokens=5, do_sample=True, temperature=1.3, top_k=20, seed=4, eos_token_id=EOS)
     config = DecodingConfig(**options)
     assert torch.equal(composed_full.generate(ids, mask, config=config), composed_full.generate(ids, mask, **options))
-    # Keyword arguments that differ from their defaults replace the config's fields.
+    # Keyword options replace the config's fields; one given at its default value replaces it too.
     shorter = composed_full.generate(ids, mask, config=config, max_new_tokens=2, pad_token_id=PAD)
     assert torch.equal(
         shorter, composed_full.generate(ids, mask, **{**options, "max_new_tokens": 2, "pad_token_id": PAD})
@@ -340,6 +341,75 @@ def test_a_decoding_config_decodes_as_its_keyword_arguments(composed_full):
         replace(config, draft_lambda=[1.0, 1.0])
     with pytest.raises(TypeError, match="`config` must be a DecodingConfig or None, got dict"):
         composed_full.generate(ids, mask, config=options)
+    assert torch.equal(
+        composed_full.generate(ids, mask, config=config, do_sample=False),
+        composed_full.generate(ids, mask, **{**options, "do_sample": False}),
+    )
+    with pytest.raises(TypeError, match=r"unknown options \['max_tokens'\]; the decoding options .*'max_new_tokens'"):
+        composed_full.generate(ids, mask, max_tokens=3)
+
+
+def test_options_by_position_still_decode_with_a_deprecation_warning(composed_full):
+    """The old form `generate(ids, mask, max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad, seed,
+    position_ids, generated_position_ids)` gives what the keywords give, for one release."""
+    ids, mask = left_padded_batch([5, 3], seed=21)
+    keywords = dict(max_new_tokens=4, do_sample=True, temperature=1.3, top_k=None, top_p=None, seed=2)
+    expected = composed_full.generate(ids, mask, eos_token_id=[], pad_token_id=PAD, **keywords)
+    with pytest.warns(DeprecationWarning, match="by position is deprecated .*`config=DecodingConfig"):
+        old = composed_full.generate(ids, mask, 4, True, 1.3, None, None, [], PAD, 2)
+    assert torch.equal(old, expected)
+    positions = torch.arange(5).expand(2, 5)
+    generated = torch.arange(5, 9).expand(2, 4)
+    by_keyword = composed_full.generate(
+        ids, mask, max_new_tokens=4, eos_token_id=[], position_ids=positions, generated_position_ids=generated
+    )
+    with pytest.warns(DeprecationWarning):
+        by_position = composed_full.generate(ids, mask, 4, False, 1.0, None, None, [], None, None, positions, generated)
+    assert torch.equal(by_position, by_keyword)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=r"\['max_new_tokens'\] both by position"):
+        composed_full.generate(ids, mask, 4, max_new_tokens=3)
+
+
+class _Recorder(BaseStreamer):
+    """transformers' streamer protocol, recording what it is given."""
+
+    def __init__(self):
+        self.put_values, self.ended = [], False
+
+    def put(self, value):
+        self.put_values.append(value.tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("draft", [None, "merged"])
+def test_a_streamer_gets_the_prompt_then_every_new_token(composed_full, draft):
+    ids, mask = left_padded_batch([6], seed=5)
+    options = dict(max_new_tokens=7, eos_token_id=[])
+    if draft is not None:
+        options.update(draft=draft, num_draft_tokens=3, adaptive_draft=False)
+    expected = composed_full.generate(ids, mask, **options)
+    recorder = _Recorder()
+    streamed = composed_full.generate(ids, mask, streamer=recorder, **options)
+    assert torch.equal(streamed, expected) and recorder.ended
+    assert recorder.put_values[0] == ids.tolist()  # the prompt first, as transformers' generate puts it
+    tokens = [token for value in recorder.put_values[1:] for token in value]
+    assert tokens == expected[0, ids.shape[1] :].tolist()
+    text = TextStreamer(_DigitsTokenizer(), skip_prompt=True)  # transformers' own streamer runs on it
+    composed_full.generate(ids, mask, streamer=text, **options)
+    pairs = left_padded_batch([6, 4], seed=5)
+    with pytest.raises(ValueError, match="`streamer` streams one row: a batch of 1 prompt, got 2"):
+        composed_full.generate(*pairs, streamer=_Recorder(), max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"`streamer` must have put\(\) and end\(\)"):
+        composed_full.generate(ids, mask, streamer=object(), max_new_tokens=2)
+
+
+class _DigitsTokenizer:
+    """What `TextStreamer` asks of a tokenizer: `decode`."""
+
+    def decode(self, ids, **kwargs):
+        return " ".join(map(str, ids))
 
 
 # ----------------------------------------------------------------------------- from_pretrained

@@ -1,4 +1,5 @@
-"""The few-row kernel of the shared base's linears (`FewRowKernel`, stacked_lora.py): chosen by timing, per row count.
+"""The few-row kernel of the shared base's linears (`FewRowKernel`, kernels/stacked_lora.py): chosen by timing, per
+row count.
 
 The policy on given timings; then a LoRA composition that decodes with each kernel forced gives the same
 logits within float32 rounding, and one left to choose has chosen for its decoding steps' row count."""
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM, few_rows
-from mergecompose.composition.few_rows import FewRowKernel
+from mergecompose.composition.kernels.few_rows import FewRowKernel
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -99,7 +100,7 @@ def test_full_experts_use_either_kernel_and_get_their_linears_back(tiny_config):
 
 def test_a_speculative_round_with_a_kernel_trial_is_not_timed(tiny_config, monkeypatch):
     """A trial of the slower few-row kernel can cost several plain passes; the adaptive K must not take the draft's
-    cost from such a round, or an exact draft is dropped for plain steps (speculative.py)."""
+    cost from such a round, or an exact draft is dropped for plain steps (speculative/decoding.py)."""
     models = [random_llama(tiny_config, seed=0) for _ in range(3)]  # experts equal to the base: an exact draft
     lm = ComposedLM(models[0], models[1:])
     record = FewRowKernel.record
@@ -114,4 +115,4 @@ def test_a_speculative_round_with_a_kernel_trial_is_not_timed(tiny_config, monke
     stats = lm.speculation_stats
     assert FewRowKernel.trial_passes > before  # the rounds did run trials
     assert stats.accepted == stats.tested > 0
-    assert stats.plain_rounds <= 2, stats  # the second round is a plain step by design (draft_length.py)
+    assert stats.plain_rounds <= 2, stats  # the second round is a plain step by design (speculative/draft_length.py)

@@ -1,4 +1,4 @@
-"""Mixing the components' last hidden states before the shared output layer (mixed_head.py) is the rule.
+"""Mixing the components' last hidden states before the shared output layer (kernels/mixed_head.py) is the rule.
 
 With LoRA experts that leave the output layer alone, log_softmax(W Σ_c e_c h_c) equals the rule on the
 components' logits, e_c the rule's exponents (base 1 − Σ w_i); checked here against `compose_logprobs` on the
@@ -12,7 +12,7 @@ import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from mergecompose.composition import ComposedLM, compose_logprobs
-from mergecompose.composition.mixed_head import MixedHead, can_mix, compose_mixed, exponents, head_is_last
+from mergecompose.composition.kernels.mixed_head import MixedHead, can_mix, compose_mixed, exponents, head_is_last
 from mergecompose.composition.remedies import ActivityGate
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama, random_lora_adapter
 

@@ -1,4 +1,4 @@
-"""The shared base's linears with oneDNN-packed weights (few_rows.py): same results, same memory, given back.
+"""The shared base's linears with oneDNN-packed weights (kernels/few_rows.py): same results, same memory, given back.
 
 While a stacked LoRA composition is open, its base's decoder linears hold their weights in oneDNN's packed layout
 and their parameters hold empty tensors. These tests pin what a user of the base can rely on meanwhile and after."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM, few_rows
-from mergecompose.composition.few_rows import PACKED, Packed, PackedSibling
+from mergecompose.composition.kernels.few_rows import PACKED, Packed, PackedSibling
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 from mergecompose.merging import TaskVector
 
@@ -158,7 +158,7 @@ def test_siblings_that_read_one_input_are_one_packed_product(tiny_config, lora_d
     assert all(isinstance(held[name], PackedSibling) for name in ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])
     assert held["q_proj"].group is held["k_proj"].group is held["v_proj"].group
     assert held["gate_proj"].group is held["up_proj"].group is not held["q_proj"].group
-    # The LoRA factors A of modules that both experts adapt are packed with the weights (stacked_lora.py): q/v's
+    # The LoRA factors A of modules that both experts adapt are packed with the weights (kernels/stacked_lora.py): q/v's
     # side by side after q/k/v's weights, read by q; down's with its weight, a group of one. Only one expert adapts
     # o, and neither gate nor up: no extra rows.
     assert held["q_proj"].extra is not None and held["k_proj"].extra is None and held["v_proj"].extra is None

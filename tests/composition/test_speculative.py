@@ -1,7 +1,7 @@
 """Speculative decoding of the composed distribution: the rule enumerated exactly, sampled, and greedy.
 
-* The acceptance rule (`mergecompose.composition.acceptance`) on float64 probability tables: the distribution
-  of the next tokens, enumerated over every draft and every outcome, is the composed target's.
+* The acceptance rule (`mergecompose.composition.speculative.acceptance`) on float64 probability tables: the
+  distribution of the next tokens, enumerated over every draft and every outcome, is the composed target's.
 * `ComposedLM.generate(draft=...)` on tiny random models: sampled continuations fit the exactly
   enumerated composed joint (chi-square); greedy output equals plain greedy output token for token,
   for full and LoRA experts, batches with left padding, EOS, stop strings, remedies, coupled
@@ -20,15 +20,6 @@ from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.composition import ComposedLM, speculative
-from mergecompose.composition.acceptance import (
-    acceptance_probabilities,
-    greedy_accepted,
-    outcome_probabilities,
-    residual_distributions,
-    round_outcomes,
-    round_tokens,
-)
-from mergecompose.composition.draft_length import DraftLength, expected_tokens
 from mergecompose.composition.remedies import (
     ActivityGate,
     PlausibilityFilter,
@@ -37,7 +28,16 @@ from mergecompose.composition.remedies import (
     TerminationRule,
 )
 from mergecompose.composition.sampling import sampling_warpers, warped_probabilities
-from mergecompose.composition.speculative import attention_bias
+from mergecompose.composition.speculative.acceptance import (
+    acceptance_probabilities,
+    greedy_accepted,
+    outcome_probabilities,
+    residual_distributions,
+    round_outcomes,
+    round_tokens,
+)
+from mergecompose.composition.speculative.decoding import attention_bias
+from mergecompose.composition.speculative.draft_length import DraftLength, expected_tokens
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 from mergecompose.core.training import train_model
 from mergecompose.experiments.config import ModelSettings, TrainingSettings
@@ -650,7 +650,7 @@ def test_merged_lora_draft_is_task_arithmetic(implementation, tiny_config, lora_
         assert torch.equal(tensor, reference.state_dict()[name])
 
 
-# ----------------------------------------------------------------------------- the adaptive K (draft_length.py)
+# ------------------------------------------------------------------------- the adaptive K (speculative/draft_length.py)
 # The policy on given timings, and exactness under any K schedule: whatever K each round drafts (0 being
 # a plain step), greedy output equals plain greedy output token for token and sampled continuations fit
 # the composed joint. The schedules are forced, so that every kind of switch happens (a plain step

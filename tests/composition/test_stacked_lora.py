@@ -1,4 +1,5 @@
-"""The stacked LoRA products at a decoding step (stacked_lora.py): siblings that read one input share one product.
+"""The stacked LoRA products at a decoding step (kernels/stacked_lora.py): siblings that read one input share one
+product.
 
 q, k and v read the same hidden state; each linear gets its own view of it (a reshape), so the product x A
 of all their columns is reused by what the input is (memory, layout, version), not by the view's identity."""
@@ -66,7 +67,7 @@ def test_siblings_share_one_product_a_pass(dense_composition):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_packed_weights_compute_the_a_products_with_the_base(composition, dense_composition):
-    """Where the base is packed, x A comes out of the base's product (few_rows.py, extra rows): no `mm` for it,
+    """Where the base is packed, x A comes out of the base's product (kernels/few_rows.py, extra rows): no `mm` for it,
     and the same logits as the dense composition's."""
     assert _step_products(composition) == [0] * len(composition.backend.stacked._groups)
     ids, mask = torch.tensor([[4, 5, 6, 7], [0, 8, 9, 10]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])

@@ -15,12 +15,13 @@ layer's output, unchanged (`head_is_last`: no soft-capping or scaling after it, 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel
 
-from mergecompose.composition.backend import Caches
+from mergecompose.composition.backend import Backend, Caches
+from mergecompose.composition.remedies import step_composer
 from mergecompose.composition.rule import check_scores
 from mergecompose.composition.shared_adapters import SharedAdapters
 
@@ -139,3 +140,22 @@ def compose_mixed_checked(logits: torch.Tensor) -> torch.Tensor:
     """`compose_mixed`, refusing NaN and +inf in the logits first (for sampling: NaN must not reach the sampler)."""
     check_scores(logits, "the mixed components' logits")
     return compose_mixed(logits)
+
+
+def decoding_backend(
+    backend: Backend,
+    mix: bool,
+    weights: Sequence[float] | None,
+    num_experts: int,
+    remedies: Sequence[object],
+    vocab_size: int,
+    do_sample: bool,
+) -> tuple[Backend, Callable[[torch.Tensor], torch.Tensor]]:
+    """What a decoding loop runs, and the rule of each step (`(k+1, B, V)` -> `(B, V)`): with `mix` (LoRA experts on
+    one base, no remedies, a backend that allows it), the mixed head, whose one output-layer pass gives the
+    composed logits (`close()` it after); else `backend` itself with the rule and the remedies."""
+    if mix and isinstance(backend, SharedAdapters):
+        return MixedHead(
+            backend, exponents(weights, num_experts)
+        ), compose_mixed_checked if do_sample else compose_mixed
+    return backend, step_composer(weights, remedies, vocab_size, checked=do_sample)

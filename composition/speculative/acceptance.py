@@ -9,7 +9,7 @@ A draft q proposed K tokens x_1…x_K; the target p̂ scored K+1 positions. Posi
 Whatever q is, every emitted token is distributed exactly as p̂ given the tokens before it: a good
 draft only makes it faster. Greedy decoding accepts while the draft's token is the target's argmax.
 `outcome_probabilities` gives the probability of every outcome of a round, which the tests enumerate
-exactly; the decoding loop (speculative.py) draws one outcome from it.
+exactly; the decoding loop (speculative/decoding.py) draws one outcome from it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Exact speculative decoding of the composed distribution: the loop (Leviathan et al., 2023; Chen et al., 2023).
 
 Each round, a draft model proposes K tokens, one forward pass each; the k+1 components score all
-K+1 positions in one forward pass each; the acceptance rule (acceptance.py) keeps the output exactly
-that of decoding without a draft. The drafts themselves are built in drafts.py.
+K+1 positions in one forward pass each; the acceptance rule (speculative/acceptance.py) keeps the output exactly
+that of decoding without a draft. The drafts themselves are built in speculative/drafts.py.
 
 Batches: each row accepts its own number of tokens. The caches are cut back to the longest
 acceptance of the batch (`DynamicCache.crop`); a row that accepted fewer keeps its rejected columns
@@ -19,14 +19,17 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from transformers import PreTrainedModel
 
-from mergecompose.composition.acceptance import greedy_accepted, outcome_probabilities, round_tokens
 from mergecompose.composition.architecture import bias_dtype, has_sliding_window
 from mergecompose.composition.backend import Backend, Caches
-from mergecompose.composition.draft_length import DraftLength
-from mergecompose.composition.few_rows import FewRowKernel
+from mergecompose.composition.config import DecodingConfig
 from mergecompose.composition.inputs import Prompt
-from mergecompose.composition.sampling import Compose, Sampler
+from mergecompose.composition.kernels.few_rows import FewRowKernel
+from mergecompose.composition.sampling import NAN_COMPOSITION, NO_STREAM, Compose, Sampler, TokenStream
+from mergecompose.composition.separate_models import SeparateModels
+from mergecompose.composition.speculative.acceptance import greedy_accepted, outcome_probabilities, round_tokens
+from mergecompose.composition.speculative.draft_length import DraftLength
 from mergecompose.composition.stops import StopCriteria, Stopping
 
 
@@ -96,6 +99,7 @@ def speculative_decode(
     sampler: Sampler,
     num_draft_tokens: int,
     adaptive: bool = True,
+    stream: TokenStream = NO_STREAM,
 ) -> tuple[torch.Tensor, SpeculationStats, torch.Tensor]:
     """Decode with a draft; returns (sequences `(B, P + n)`, statistics, a greedy-NaN flag on the device).
 
@@ -108,12 +112,14 @@ def speculative_decode(
             finished, and the pad id fills its later positions.
         sampler: greedy, or the warpers applied to the target and to the draft alike before the test.
         num_draft_tokens: K, the tokens drafted a round (fewer where fewer are left to generate); with
-            `adaptive`, the most a round drafts, each round's K chosen by `DraftLength` (draft_length.py),
+            `adaptive`, the most a round drafts, each round's K chosen by `DraftLength` (speculative/draft_length.py),
             0 being a plain decoding step.
+        stream: where a streamer is given (one row), each round's emitted tokens are put to it.
     """
     state = _Speculation(target, draft, compose, prompt, stopping, sampler, num_draft_tokens)
     lengths = DraftLength(num_draft_tokens, adaptive, draft_cost=_parameters(draft) / _parameters(target))
     remaining = prompt.max_new_tokens  # the most tokens a row still generating may emit
+    shown = 0  # the tokens put to the stream
     while True:
         count = min(lengths.next(), remaining - 1)
         start = state.columns.used  # the round's first draft column
@@ -128,8 +134,11 @@ def speculative_decode(
             outcome = state.emit(start, accepted, next_tokens)  # reads from the device: the round is done
             remaining = outcome.remaining
         seconds = time.perf_counter() - began
+        if stream.streamer is not None:  # one row: the tokens this round emitted
+            stream.put(state.output[0, state.prompt_length + shown : state.prompt_length + int(state.emitted[0])])
+            shown = int(state.emitted[0])
         # Not timed: a round whose draft caught up with many tokens, or with a pass that tried a few-row kernel
-        # (few_rows.py; a trial of the slower kernel can cost several plain passes and would set t_d for long).
+        # (kernels/few_rows.py; a trial of the slower kernel can cost several plain passes and would set t_d for long).
         timed = (count == 0 or unseen <= 3) and FewRowKernel.trial_passes == trials_before
         tests = state.stats.tested - tested
         lengths.update(count, state.stats.accepted - accepted_before, tests, seconds if timed else None)
@@ -138,6 +147,31 @@ def speculative_decode(
         if count:
             state.roll_back(start, outcome)
     return state.output[:, : state.prompt_length + int(state.emitted.max())], state.stats, state.invalid
+
+
+def speculate(
+    target: Backend,
+    draft_model: PreTrainedModel,
+    kernel: FewRowKernel,
+    compose: Compose,
+    prompt: Prompt,
+    stopping: Stopping,
+    sampler: Sampler,
+    config: DecodingConfig,
+    stream: TokenStream = NO_STREAM,
+) -> tuple[torch.Tensor, SpeculationStats]:
+    """`speculative_decode` with `config`'s K and K policy, `draft_model` run by its own backend (its linears on
+    the few-row `kernel`, given back after); a NaN composition in a greedy step is an error."""
+    draft = SeparateModels([draft_model], kernel)
+    try:
+        sequences, stats, invalid = speculative_decode(
+            target, draft, compose, prompt, stopping, sampler, config.draft_tokens, config.adaptive_draft, stream
+        )
+    finally:
+        draft.close()  # the draft's linears get their own forwards back
+    if invalid:
+        raise ValueError(NAN_COMPOSITION)
+    return sequences, stats
 
 
 def _parameters(backend: Backend) -> int:

@@ -90,7 +90,7 @@ class Packed:
 
 
 # Linears of one parent that read the same input, in the architectures transformers ships (their names): packed as
-# one matrix (`PackedGroup`), and their LoRA factors A side by side (stacked_lora.py).
+# one matrix (`PackedGroup`), and their LoRA factors A side by side (kernels/stacked_lora.py).
 SAME_INPUT = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"query", "key", "value"}, {"w1", "w3"})
 
 
@@ -123,7 +123,7 @@ class PackedGroup:
     The first sibling to run computes x [W_1; W_2; …; E]ᵀ; each sibling then given the same input unchanged
     (`reads_same`) takes its columns of it, once; a sibling given another input, or its own columns a second
     time, computes the product anew. E (e, in), optional, are extra rows that one member's addition reads (the
-    LoRA factors A of stacked_lora.py): their product comes with the weights' for the cost of their bytes.
+    LoRA factors A of kernels/stacked_lora.py): their product comes with the weights' for the cost of their bytes.
     A group may have one member, with extra rows."""
 
     def __init__(self, dense: torch.Tensor, rows: int, sizes: list[int], extra: tuple[int, int] | None = None) -> None:
