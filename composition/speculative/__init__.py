@@ -5,3 +5,6 @@ acceptance.py    the acceptance rule of Leviathan et al. (2023) on probability t
 draft_length.py  K chosen each round from the acceptance rate and the round times seen so far
 drafts.py        the merged draft: θ_b + Σ_i λ_i (θ_i − θ_b), for full experts and for LoRA experts
 """
+
+# Private to mergecompose.composition, whose __init__ exports what is public.
+__all__: list[str] = []

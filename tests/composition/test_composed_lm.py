@@ -275,7 +275,9 @@ def test_nan_logits_raise(tiny_config):
 
 def test_lists_are_taken_as_tensors(composed_full):
     ids, mask = left_padded_batch([3, 5])
-    assert torch.equal(composed_full.logprobs(ids.tolist(), mask.tolist()), composed_full.logprobs(ids, mask))
+    # Close, not equal: while the few-row kernel is still timing its two kernels (kernels/few_rows.py), two passes
+    # over the same rows may run different kernels, whose float sums differ in the last bits.
+    torch.testing.assert_close(composed_full.logprobs(ids.tolist(), mask.tolist()), composed_full.logprobs(ids, mask))
     assert torch.equal(
         composed_full.generate(ids.tolist(), mask.tolist(), max_new_tokens=3),
         composed_full.generate(ids, mask, max_new_tokens=3),

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from mergecompose.composition import ComposedLM, few_rows
+from mergecompose.composition import ComposedLM
+from mergecompose.composition.kernels import few_rows
 from mergecompose.composition.kernels.few_rows import FewRowKernel
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 

@@ -19,7 +19,7 @@ from scipy import stats
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from mergecompose.analysis.data import char_tokenizer
-from mergecompose.composition import ComposedLM, speculative
+from mergecompose.composition import ComposedLM
 from mergecompose.composition.remedies import (
     ActivityGate,
     PlausibilityFilter,
@@ -28,6 +28,7 @@ from mergecompose.composition.remedies import (
     TerminationRule,
 )
 from mergecompose.composition.sampling import sampling_warpers, warped_probabilities
+from mergecompose.composition.speculative import decoding
 from mergecompose.composition.speculative.acceptance import (
     acceptance_probabilities,
     greedy_accepted,
@@ -738,7 +739,7 @@ class Schedule:
 def test_greedy_output_under_any_k_schedule_equals_plain_decoding(
     which, cycle, noisy_composition, unrelated_composition, monkeypatch
 ):
-    monkeypatch.setattr(speculative, "DraftLength", type("Forced", (Schedule,), {"cycle": cycle}))
+    monkeypatch.setattr(decoding, "DraftLength", type("Forced", (Schedule,), {"cycle": cycle}))
     lm = {"noisy": noisy_composition, "unrelated": unrelated_composition}[which]
     ids, mask = left_padded_batch([5, 9, 2, 7], seed=3)
     options = dict(max_new_tokens=24, eos_token_id=[EOS, 11], pad_token_id=PAD)
@@ -752,7 +753,7 @@ def test_greedy_output_under_any_k_schedule_equals_plain_decoding(
 def test_sampled_continuations_under_a_k_schedule_fit_the_composed_joint(noisy_composition, monkeypatch):
     """As `test_sampled_continuations_fit_the_composed_joint` (test_speculative.py), rounds of K = 0, 1, 0, 1…:
     a plain step first, then a draft that catches up on a token it has not seen."""
-    monkeypatch.setattr(speculative, "DraftLength", type("Forced", (Schedule,), {"cycle": (0, 1)}))
+    monkeypatch.setattr(decoding, "DraftLength", type("Forced", (Schedule,), {"cycle": (0, 1)}))
     lm, vocab, samples, batch = noisy_composition, 64, 100_000, 50_000
     warpers = sampling_warpers(True, 1.2, None, 0.95)
     prompt = torch.tensor([[5, 17, 33, 9]])

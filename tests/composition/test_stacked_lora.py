@@ -11,7 +11,8 @@ from unittest import mock
 import pytest
 import torch
 
-from mergecompose.composition import ComposedLM, few_rows
+from mergecompose.composition import ComposedLM
+from mergecompose.composition.kernels import few_rows
 from mergecompose.core.tiny import random_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
