@@ -235,13 +235,18 @@ def read_utf8(path: str | os.PathLike, what: str = "file") -> str:
     texts = _ONE_READ.get()
     if texts is None:
         return read_text_file(path, what)
-    key = Path(path).expanduser().resolve()
+    try:
+        file = Path(path).expanduser().resolve()
+        stat = file.stat()
+    except (OSError, TypeError, ValueError):
+        return read_text_file(path, what)  # the boundary names what is wrong
+    key = (file, stat.st_mtime_ns, stat.st_size)  # a file rewritten since is read again
     if key not in texts:
         texts[key] = read_text_file(path, what)
     return texts[key]
 
 
-_ONE_READ: ContextVar[dict[Path, str] | None] = ContextVar("one_read_per_file", default=None)
+_ONE_READ: ContextVar[dict[tuple[Path, int, int], str] | None] = ContextVar("one_read_per_file", default=None)
 
 
 @contextlib.contextmanager

@@ -3,11 +3,13 @@ the file, before anything loads."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import struct
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ from mergecompose.core.boundary import (
     check_text_file,
     check_tokenizer,
 )
-from mergecompose.core.io import safetensors_problem
+from mergecompose.core.io import one_read_per_file, read_utf8, safetensors_problem
 
 ROOT = os.geteuid() == 0  # root reads a file whatever its mode
 
@@ -274,3 +276,25 @@ def test_text_and_json_files(tmp_path):
     assert check_json_file(path, "rule") == {"text": "a"}
     with pytest.raises(ValueError, match=r"`data` must be a path to a readable UTF-8 text file.*got None"):
         check_text_file(None, "data")
+
+
+def test_a_command_opens_a_file_once_and_sees_a_rewrite(tmp_path, monkeypatch):
+    """Inside `one_read_per_file` (each command), `read_utf8` opens a file once; a file rewritten since is read
+    again; outside it, every call reads."""
+    path = tmp_path / "config.yaml"
+    path.write_text("a: 1\n")
+    opened = []
+    real = io.open
+
+    def counting(file, *args, **kwargs):
+        mode = args[0] if args else kwargs.get("mode", "r")
+        if isinstance(file, (str, os.PathLike)) and Path(file) == path and "r" in mode:  # reads, not the writes
+            opened.append(file)
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(io, "open", counting)
+    with one_read_per_file():
+        assert read_utf8(path) == read_utf8(str(path)) == "a: 1\n" and len(opened) == 1
+        path.write_text("a: 22\n")
+        assert read_utf8(path) == "a: 22\n" and len(opened) == 2
+    assert read_utf8(path) == read_utf8(path) == "a: 22\n" and len(opened) == 4
