@@ -345,7 +345,7 @@ class ComposedLM:
         )
         stopping, sampler = Stopping(eos_ids, pad_id, criteria), Sampler.from_config(config, self.device)
         self.speculation_stats = None
-        mix = isinstance(self.backend, SharedAdapters) and self._mixes_before_head()
+        mix = self._mixes_before_head()  # False for backends other than LoRA experts on one base (can_mix)
         backend, compose = decoding_backend(
             self.backend, mix, self.weights, self.num_experts, self.remedies, self.vocab_size, config.do_sample
         )
