@@ -7,7 +7,7 @@ Pure functions on tensors; nothing here runs a model. Conventions:
 * `targets` `(B, M)`: the target tokens followed by EOS, padded; `target_lengths` `(B,)` the
   number of target tokens, so the EOS step of row b is `target_lengths[b]`;
 * `regions` `(B, M)`: per output step, `BACKGROUND`, `SEGMENT`, `BOUNDARY` or `END` (the EOS
-  step), from `mergecompose.experiments.skills.region_labels`;
+  step), from `mergecompose.studies.skills.region_labels`;
 * `owners` `(B, T)`: per output step, the index of the expert whose segment (markers included)
   holds that target character, or -1 (`NO_OWNER`) outside every segment;
 * `components` `(k+1, B, T, V)`: teacher-forced log-probs (base first) at the steps that predict

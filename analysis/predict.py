@@ -15,7 +15,7 @@ above ε (none otherwise).
 * `diagnostic_names`: those names, known before anything is measured, so that a rule naming one the
   overlap does not measure is refused before any model loads (`check_rule_diagnostics`).
 * `VerdictRule`: thresholds fitted by `mergecompose predict-sweep` on synthetic tasks
-  (`mergecompose.experiments.predict`), shipped as `predict_rule.json`; `recommend` applies it and says why.
+  (`mergecompose.studies.predict`), shipped as `predict_rule.json`; `recommend` applies it and says why.
   A diagnostic that comes out undefined on the data (None: e.g. the single-active projective error
   where every position is co-active) does not fail the verdict: see `VerdictRule.verdict`.
 """

@@ -58,11 +58,11 @@ from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import ALL_LINEAR, tiny_llama_config
 from mergecompose.experiments.components import prepare_components
 from mergecompose.experiments.config import load_config
-from mergecompose.experiments.letters.task import sample_strings
-from mergecompose.experiments.math_code.chat_data import generation_inputs
-from mergecompose.experiments.math_code.math_problems import math_split
 from mergecompose.experiments.strings import is_held_out
 from mergecompose.experiments.tokenizer import encode_strings
+from mergecompose.studies.letters.task import sample_strings
+from mergecompose.studies.math_code.chat_data import generation_inputs
+from mergecompose.studies.math_code.math_problems import math_split
 
 SYSTEMS = ["base", "full", "lora", "naive"]
 # Speculative systems -> the composition each one speeds up.

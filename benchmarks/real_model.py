@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 
 from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter
-from mergecompose.experiments.math_code.experts import ExpertRecipe, train_expert
 from mergecompose.integrations.gguf.fetch import MODELS, cache_root, fetch_model
+from mergecompose.studies.math_code.experts import ExpertRecipe, train_expert
 
 # Rank 8 (alpha 16) on all seven projections, 8 steps of 4 conversations: LoRA factors that are trained, not random.
 BENCHMARK_RECIPES = [

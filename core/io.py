@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mergecompose.core.boundary import (
     InputFileError,
@@ -293,6 +293,13 @@ def validation_message(error: ValidationError, tagged: bool = False) -> str:
             message += f" (got {received})"
         problems.append(message)
     return "; ".join(problems)
+
+
+class StrictModel(BaseModel):
+    """The base of every config model read from a file: an unknown field is an error, a validated config does not
+    change, and every float is finite (`lr: .inf` or `alpha: .nan` is refused at load time, not after training)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def load_yaml_config(path: str | os.PathLike, model: type[ModelT], what: str = "config") -> ModelT:

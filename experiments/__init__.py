@@ -1,4 +1,5 @@
-"""Synthetic tasks and `mergecompose compare`: one generic pipeline, task types registered by name.
+"""`mergecompose compare`: one generic pipeline; task types and compare kinds plug in by name (entry points).
+The studies that use it live in `mergecompose.studies`, which this package never imports.
 
 mergecompose.experiments.registry         the `TaskType` protocol; task types and compare kinds (entry points)
 mergecompose.experiments.config           the typed compare config (`load_config`)
@@ -13,23 +14,16 @@ mergecompose.experiments.merge_selection  the merge-grid search, shared by every
 mergecompose.experiments.run_folder       a run's results folder: claimed, locked, stages timed, written atomically
 mergecompose.experiments.compare          the whole comparison (`run_compare`)
 mergecompose.experiments.report           results.md, terminal tables, length.png
-mergecompose.experiments.letters/         the letter-replacement task type
-mergecompose.experiments.skills/          the sequential-skills task type
+mergecompose.experiments.lm_eval/         `type: lm_eval`: given checkpoints scored by lm-evaluation-harness
 """
 
-from mergecompose.experiments.compare import run_compare  # noqa: E402
+from mergecompose.experiments.compare import run_compare
 from mergecompose.experiments.config import CompareConfig, load_config
-from mergecompose.experiments.letters import LettersTaskSettings, LetterTask, apply_replacements  # noqa: E402
 from mergecompose.experiments.registry import TaskType, get_task_type, register_task_type, task_types
-from mergecompose.experiments.skills import SkillsTaskSettings  # noqa: E402
 
 __all__ = [
     "CompareConfig",
-    "LetterTask",
-    "LettersTaskSettings",
-    "SkillsTaskSettings",
     "TaskType",
-    "apply_replacements",
     "get_task_type",
     "load_config",
     "register_task_type",

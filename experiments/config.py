@@ -14,7 +14,6 @@ from typing import Annotated, Literal, Union
 
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     SerializeAsAny,
@@ -26,17 +25,12 @@ from pydantic import (
 )
 
 from mergecompose.composition.remedies import RemedySettings
-from mergecompose.core.io import read_yaml_mapping, validation_message
+from mergecompose.core.io import StrictModel, read_yaml_mapping, validation_message
 from mergecompose.core.training import OptimizerSettings
 from mergecompose.experiments.registry import compare_kinds, missing_extra, validate_task
 from mergecompose.merging import METHODS, validate_merge_params
 
 DEFAULT_TASK_TYPE = "letters"
-
-
-class _Strict(BaseModel):
-    # Every float is finite: `lr: .inf` or `alpha: .nan` is refused at load time, not after training.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 # The linear layers LoRA may adapt in each architecture (peft matches `target_modules` by name suffix).
@@ -46,7 +40,7 @@ LORA_TARGETS = {
 }
 
 
-class PositionSettings(_Strict):
+class PositionSettings(StrictModel):
     """Position ids (see `mergecompose.experiments.formats`): the scheme, and random slots in training."""
 
     scheme: Literal["coupled", "contiguous"] = "coupled"
@@ -54,7 +48,7 @@ class PositionSettings(_Strict):
     max_position: int = Field(256, ge=1)
 
 
-class ModelSettings(_Strict):
+class ModelSettings(StrictModel):
     """A small transformers causal LM: Llama (RoPE) or GPT-2 (learned absolute positions)."""
 
     architecture: Literal["llama", "gpt2"] = "llama"
@@ -103,7 +97,7 @@ class TrainingSettings(OptimizerSettings):
         return self.epochs * -(-self.num_examples // self.batch_size)
 
 
-class LoraSettings(_Strict):
+class LoraSettings(StrictModel):
     """A peft LoRA adapter trained on the base (which stays frozen)."""
 
     rank: int = Field(8, ge=1)
@@ -112,7 +106,7 @@ class LoraSettings(_Strict):
     training: TrainingSettings
 
 
-class ExpertTraining(_Strict):
+class ExpertTraining(StrictModel):
     """How experts are made: fine-tuned from the base (full and LoRA), or trained from scratch (the paper)."""
 
     init: Literal["base", "scratch"] = "base"
@@ -139,13 +133,13 @@ class ExpertTraining(_Strict):
         return self.lora_per_skill.get(skill, self.lora)
 
 
-class TrainingPlan(_Strict):
+class TrainingPlan(StrictModel):
     seed: int = Field(0, ge=0)
     base: TrainingSettings
     experts: ExpertTraining
 
 
-class EvaluationSettings(_Strict):
+class EvaluationSettings(StrictModel):
     """Held-out data. Main splits use strings of `length`; `lengths` are the per-length curves."""
 
     seed: int = Field(1234, ge=0)  # numpy's default_rng takes no negative seed
@@ -166,7 +160,7 @@ class EvaluationSettings(_Strict):
         return sorted(value)
 
 
-class MergeGrid(_Strict):
+class MergeGrid(StrictModel):
     """Candidate hyperparameters of one merge method; every combination is tried on validation."""
 
     lam: list[float] | None = None
@@ -215,7 +209,7 @@ def _default_merges() -> dict[str, MergeGrid]:
     }
 
 
-class CompareConfig(_Strict):
+class CompareConfig(StrictModel):
     """Everything `mergecompose compare` needs; the resolved config is written beside the results."""
 
     name: str = "letters"

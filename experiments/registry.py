@@ -2,7 +2,7 @@
 `pyproject.toml`. The pipeline imports none of them; each is imported when a config first asks for its name.
 
     [project.entry-points."mergecompose.task_types"]       # a config's `task:` block: name -> settings model
-    letters = "mergecompose.experiments.letters.settings:LettersTaskSettings"
+    letters = "mergecompose.studies.letters.settings:LettersTaskSettings"
 
     [project.entry-points."mergecompose.compare_kinds"]    # a comparison with its own config: name -> CompareKind
     lm_eval = "mergecompose.experiments.lm_eval.run:LM_EVAL_KIND"

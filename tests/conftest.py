@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mergecompose.core.locks import entry_lock
 from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
 from mergecompose.core.training import LoraTrainingConfig, train_lora_expert
-from mergecompose.experiments.math_code import code_split, math_split, training_batch
 from mergecompose.integrations.gguf.fetch import fetch_model, model_cache_dir
+from mergecompose.studies.math_code import code_split, math_split, training_batch
 
 SMOLLM2 = "smollm2-135m-instruct"
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1" under pytest-xdist; None in one process

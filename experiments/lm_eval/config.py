@@ -29,44 +29,43 @@ mergekit's definitions, as `merge_checkpoints` will run it), that local folders 
 checkpoints or adapters, that lm-eval knows every task, and that no code task runs without
 `allow_code_execution: true` (lm-eval's `confirm_run_unsafe_code`).
 
-Relative paths in the config (`task.include_path`, `letters_run.folder`, local `base` and `experts`) are read
+Relative paths in the config (`task.include_path`, `native_run.folder`, local `base` and `experts`) are read
 from the config file's own folder (pydantic's validation context `config_dir`, which
 `mergecompose.core.io.load_yaml_config` gives), and from the working directory for a config validated
 from a dict; they are stored absolute, so the resolved config beside the results loads from anywhere.
 A hub id stays a hub id. What needs a task, a model or a device is checked before any work by
 `mergecompose.experiments.lm_eval.preflight.check_before_work`.
 
-`letters_run` takes the systems from a native letters compare run instead (see
-`mergecompose.experiments.letters.lm_eval_tasks.LettersRun`): fields left out are filled in from that run.
+`native_run` takes the systems from a native seq2seq compare run instead (see
+`mergecompose.experiments.lm_eval.native_run.NativeRun`): fields left out are filled in from that run.
+`letters_run`, its former name, is read as `native_run` with a DeprecationWarning, for one release.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core import sources
+from mergecompose.core.io import StrictModel
 from mergecompose.core.sources import check_hub_id, check_model_source, hub_offline, is_local
 from mergecompose.experiments.config import MergeGrid, check_merge_grids
-from mergecompose.experiments.letters.lm_eval_tasks import LettersRun
 from mergecompose.experiments.lm_eval.catalog import check_task_files, check_task_names, task_kind, unsafe_tasks
+from mergecompose.experiments.lm_eval.native_run import NativeRun
 from mergecompose.merging import METHODS, CheckpointMergeConfig
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 RESERVED_PREFIXES = ("expert:", "merge:")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # every float is finite
-
-
-class LmEvalTaskSettings(_Strict):
+class LmEvalTaskSettings(StrictModel):
     """The `task:` block: lm-eval's task names (tasks, groups or tags) and how lm-eval runs them."""
 
     type: Literal["lm_eval"]
@@ -93,7 +92,7 @@ class LmEvalTaskSettings(_Strict):
         return value
 
 
-class CompositionSettings(_Strict):
+class CompositionSettings(StrictModel):
     """One composition: `ComposedLM` of these experts (by name), with optional weights and remedies."""
 
     experts: list[str] = Field(min_length=1)
@@ -109,7 +108,7 @@ class CompositionSettings(_Strict):
         return self
 
 
-class MergeSelection(_Strict):
+class MergeSelection(StrictModel):
     """Where a merge grid with more than one point is chosen: an lm-eval task, optionally another split of it."""
 
     task: str
@@ -118,7 +117,7 @@ class MergeSelection(_Strict):
     metric: str | None = None  # "exact_match" or lm-eval's "exact_match,strict-match"; default: the first
 
 
-class LmEvalCompareConfig(_Strict):
+class LmEvalCompareConfig(StrictModel):
     """Everything a `type: lm_eval` compare needs; the resolved config is written beside the results."""
 
     name: str = "lm_eval"
@@ -134,7 +133,7 @@ class LmEvalCompareConfig(_Strict):
     # the papers' (`mergecompose.merging.merge` in memory, as `mergecompose compare` merges, then saved): TIES and
     # DARE differ between the two (see README, Merging).
     merge_definitions: Literal["mergekit", "paper"] = "mergekit"
-    letters_run: LettersRun | None = None
+    native_run: NativeRun | None = None
     batch_size: int = Field(8, ge=1)
     device: str = "cpu"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
@@ -142,17 +141,24 @@ class LmEvalCompareConfig(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_letters_run(cls, data, info: ValidationInfo):
-        """Relative paths read from the config's folder; then fields left out are taken from `letters_run` (its
+    def _from_native_run(cls, data, info: ValidationInfo):
+        """Relative paths read from the config's folder; then fields left out are taken from `native_run` (its
         base, experts, composition and chosen merges)."""
         if not isinstance(data, dict):
             return data
+        if "letters_run" in data and "native_run" not in data:
+            warnings.warn(
+                "the lm_eval config's `letters_run` is now `native_run`; `letters_run` will be removed",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            data = {("native_run" if key == "letters_run" else key): value for key, value in data.items()}
         data = resolve_paths(data, Path((info.context or {}).get("config_dir") or "."))
-        if isinstance(data.get("letters_run"), dict | LettersRun):
-            run = LettersRun.model_validate(data["letters_run"])
+        if isinstance(data.get("native_run"), dict | NativeRun):
+            run = NativeRun.model_validate(data["native_run"])
             data = {**run.system_fields(), **data}
         elif "base" not in data:
-            raise ValueError("give the systems: `base` and `experts`, or `letters_run` to take them from a letters run")
+            raise ValueError("give the systems: `base` and `experts`, or `native_run` to take them from a native run")
         return data
 
     @field_validator("device")
@@ -205,8 +211,8 @@ class LmEvalCompareConfig(_Strict):
                 raise ValueError(
                     "a merge grid with more than one point needs `merge_selection` (the lm-eval task it is chosen on)"
                 )
-        if not self.task.names and self.letters_run is None:
-            raise ValueError("`task.names` must name at least one lm-eval task (or give `letters_run`)")
+        if not self.task.names and self.native_run is None:
+            raise ValueError("`task.names` must name at least one lm-eval task (or give `native_run`)")
         self.check_tasks()
         return self
 
@@ -280,14 +286,14 @@ def check_composition_name(name: str) -> None:
 
 def resolve_paths(data: dict, folder: Path) -> dict:
     """`data` (a config mapping) with its relative local paths read from `folder`, made absolute: `task.include_path`,
-    `letters_run.folder`, `base` and each of `experts` (those that are local, `is_local` read from `folder`)."""
+    `native_run.folder`, `base` and each of `experts` (those that are local, `is_local` read from `folder`)."""
     data = dict(data)
     task = data.get("task")
     if isinstance(task, dict) and isinstance(task.get("include_path"), str):
         data["task"] = {**task, "include_path": _absolute(task["include_path"], folder)}
-    run = data.get("letters_run")
+    run = data.get("native_run")
     if isinstance(run, dict) and isinstance(run.get("folder"), str):
-        data["letters_run"] = {**run, "folder": _absolute(run["folder"], folder)}
+        data["native_run"] = {**run, "folder": _absolute(run["folder"], folder)}
     if isinstance(data.get("base"), str):
         data["base"] = resolve_source(data["base"], folder)
     if isinstance(data.get("experts"), dict):

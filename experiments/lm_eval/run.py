@@ -1,7 +1,7 @@
 """`mergecompose compare` for `type: lm_eval`: every system on every lm-eval task, cell by cell, resumable.
 
     OUT/config.yaml        the resolved config (written first)
-    OUT/lm_eval_tasks/     the tiny tasks of `letters_run`, if any
+    OUT/lm_eval_tasks/     the tiny tasks of `native_run`, if any
     OUT/cache/             merges and dense LoRA experts, by hash (`mergecompose.experiments.lm_eval.systems`)
     OUT/cells/             one file per (system, task), written when it finishes
                            (`mergecompose.experiments.lm_eval.cells`)
@@ -92,8 +92,8 @@ def _run_claimed(config: LmEvalCompareConfig, config_hash: str, run: RunFolder, 
     run.write_config(config)
 
     local_names, local_paths = [], []
-    if config.letters_run is not None:
-        local_names = config.letters_run.write_tasks(out_dir / "lm_eval_tasks")
+    if config.native_run is not None:
+        local_names = config.native_run.write_tasks(out_dir / "lm_eval_tasks")
         local_paths = [str(out_dir / "lm_eval_tasks")]
     manager = config.check_tasks(local_names, local_paths)  # names and the code opt-in, before any model loads
     task_names = [*config.task.names, *local_names]

@@ -3,7 +3,8 @@
 The packages are layers; each imports only those below it (`pyproject.toml`, `[tool.importlinter]`):
 
     mergecompose.cli            the `mergecompose` command line
-    mergecompose.experiments    compares, sweeps and task types
+    mergecompose.studies        the studies: letters, skills, math/code, predict sweeps (task types, their commands)
+    mergecompose.experiments    the compare pipeline: `mergecompose compare`, task types and compare kinds by name
     mergecompose.analysis       overlap diagnostics and the merge-or-compose verdict
     mergecompose.integrations   lm-eval and vLLM (each needs its optional extra)
     mergecompose.composition    the composition rule, `ComposedLM`, remedies, speculative decoding

@@ -23,6 +23,7 @@ _COMMAND_MODULES = [
     "mergecompose.merging.cli",
     "mergecompose.analysis.cli",
     "mergecompose.experiments.cli",
+    "mergecompose.studies.sweep_commands",
 ]
 # Commands of an optional extra: module -> (the package it needs, the command or a tuple of them, the extra).
 _OPTIONAL_COMMAND_MODULES = {

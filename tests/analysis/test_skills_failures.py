@@ -23,8 +23,8 @@ from mergecompose.analysis.failures import (
     spurious_activity_rate,
 )
 from mergecompose.composition import compose_logprobs
-from mergecompose.experiments.skills.analysis import activity_examples
-from mergecompose.experiments.skills.spec import BACKGROUND, BOUNDARY, END, SEGMENT
+from mergecompose.studies.skills.analysis import activity_examples
+from mergecompose.studies.skills.spec import BACKGROUND, BOUNDARY, END, SEGMENT
 
 PAD, EOS = 0, 2
 

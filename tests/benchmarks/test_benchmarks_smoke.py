@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 
 from benchmarks import decode, merge, precision
 from benchmarks import lm_eval as lm_eval_benchmark
-from mergecompose.experiments.math_code.math_problems import math_split
+from mergecompose.studies.math_code.math_problems import math_split
 
 
 def test_decode_benchmark_runs(tmp_path):

@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.composition import ComposedLM
-from mergecompose.experiments.math_code import generation_inputs
+from mergecompose.studies.math_code import generation_inputs
 
 # One torch thread: much faster on a loaded machine, and the adapters are trained under it (see `adapters`).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -8,8 +8,8 @@ import pytest
 
 from mergecompose.core import precision
 from mergecompose.core.precision import resolve_dtype, slow_dtype_problem
-from mergecompose.experiments.math_code import experts
-from mergecompose.experiments.math_code.experts import ExpertRecipe, expert_folder
+from mergecompose.studies.math_code import experts
+from mergecompose.studies.math_code.experts import ExpertRecipe, expert_folder
 
 
 @pytest.mark.parametrize("fast", [True, False])

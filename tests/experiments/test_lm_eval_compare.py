@@ -20,14 +20,14 @@ from mergecompose.cli import main
 from mergecompose.experiments.compare import run_compare
 from mergecompose.experiments.config import CompareConfig, load_config
 from mergecompose.experiments.evaluate import wilson_interval
-from mergecompose.experiments.letters.lm_eval_tasks import letter_choices, prompt_text, write_generate_task
-from mergecompose.experiments.letters.settings import LettersTaskSettings
 from mergecompose.experiments.lm_eval import LmEvalCompareConfig
+from mergecompose.experiments.lm_eval.native_run import prompt_text, write_generate_task
 from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
 from mergecompose.experiments.lm_eval.systems import build_merge, plan_merge, slug
 from mergecompose.experiments.registry import compare_kinds, register_compare_kind
 from mergecompose.experiments.tokenizer import build_tokenizer
 from mergecompose.merging import TaskVector
+from mergecompose.studies.letters.settings import LettersTaskSettings
 
 NATIVE = {
     "name": "small_contiguous",
@@ -74,7 +74,7 @@ def lm_eval_data(native_dir, **changes) -> dict:
     return {
         "name": "small_lm_eval",
         "task": {"type": "lm_eval"},
-        "letters_run": {"folder": str(native_dir), "splits": SPLITS, "choice_split": "joint"},
+        "native_run": {"folder": str(native_dir), "splits": SPLITS, "choice_split": "joint"},
         "batch_size": 64,
         **changes,
     }
@@ -207,7 +207,7 @@ def test_letters_tokenizer_reads_the_prompt_text():
     ids = tokenizer(prompt_text("AB C"), add_special_tokens=False)["input_ids"]
     vocab = tokenizer.get_vocab()
     assert ids == [vocab["A"], vocab["B"], vocab[" "], vocab["C"], tokenizer.eos_token_id, tokenizer.sep_token_id]
-    choices, label = letter_choices(LettersTaskSettings(), "CAB")
+    choices, label = LettersTaskSettings().lm_eval_choices("CAB")
     assert choices[label] == "DBB" and sorted(choices) == sorted(["DBB", "CAB", "CBB"])
 
 
@@ -421,3 +421,27 @@ def test_a_compare_kind_is_registered_once():
         register_compare_kind("lm_eval", LmEvalCompareConfig, lambda *args, **kwargs: {})
     with pytest.raises(ValueError, match="already registered"):
         register_compare_kind("letters", LmEvalCompareConfig, lambda *args, **kwargs: {})
+
+
+def test_the_former_letters_run_key_is_read_as_native_run_with_a_deprecation_warning(native_run, tmp_path):
+    native_dir, _ = native_run
+    data = lm_eval_data(native_dir)
+    (tmp_path / "new.yaml").write_text(yaml.safe_dump(data))
+    data["letters_run"] = data.pop("native_run")
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(data))
+    with pytest.warns(DeprecationWarning, match="`letters_run` is now `native_run`"):
+        old = load_config(tmp_path / "old.yaml")
+    assert old == load_config(tmp_path / "new.yaml")
+    assert old.native_run.folder == str(native_dir)
+
+
+def test_a_native_run_of_a_task_type_without_choices_refuses_a_choice_split(native_run, monkeypatch):
+    native_dir, _ = native_run
+    # A task type that gives no multiple choices (the skills type gives none): its choice task cannot be written.
+    monkeypatch.delattr(LettersTaskSettings, "lm_eval_choices")
+    with pytest.raises(ValueError, match=r"gives no multiple choices; set `choice_split: null`"):
+        LmEvalCompareConfig.model_validate(lm_eval_data(native_dir))
+    config = LmEvalCompareConfig.model_validate(
+        lm_eval_data(native_dir, native_run={"folder": str(native_dir), "splits": SPLITS, "choice_split": None})
+    )
+    assert config.native_run.choice_split is None

@@ -18,10 +18,10 @@ from mergecompose.analysis.data import char_tokenizer
 from mergecompose.cli import main
 from mergecompose.core.tiny import random_llama, tiny_llama_config
 from mergecompose.experiments.config import load_config
-from mergecompose.experiments.letters.lm_eval_tasks import write_choice_task, write_generate_task
 from mergecompose.experiments.lm_eval import LmEvalCompareConfig
 from mergecompose.experiments.lm_eval.cells import CellStore, EvaluationSettings, TaskRun
 from mergecompose.experiments.lm_eval.config import resolve_source
+from mergecompose.experiments.lm_eval.native_run import write_choice_task, write_generate_task
 from mergecompose.experiments.lm_eval.preflight import check_before_work, check_device
 from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
 from mergecompose.experiments.systems import System

@@ -17,8 +17,8 @@ from mergecompose.experiments import (
     registry,
     task_types,
 )
-from mergecompose.experiments.letters import LettersTaskSettings
-from mergecompose.experiments.skills import SkillsTaskSettings
+from mergecompose.studies.letters import LettersTaskSettings
+from mergecompose.studies.skills import SkillsTaskSettings
 
 
 def test_both_task_types_are_registered_and_satisfy_the_protocol():

@@ -22,10 +22,10 @@ from mergecompose.experiments.evaluate import (
     wilson_interval,
 )
 from mergecompose.experiments.formats import IGNORE_INDEX, SequenceFormat
-from mergecompose.experiments.letters.settings import letter_training_strings
 from mergecompose.experiments.models import build_model
 from mergecompose.experiments.systems import ComposedModel, SingleModel
 from mergecompose.experiments.tokenizer import build_tokenizer
+from mergecompose.studies.letters.settings import letter_training_strings
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
 X = IGNORE_INDEX

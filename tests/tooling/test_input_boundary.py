@@ -324,6 +324,7 @@ RECIPES: dict[str, Recipe] = {
 _IN_MEMORY = "takes models, tensors or settings already in memory; the parameter named like a path is not one"
 _WRITES = "writes or locks an output folder; it reads no user file"
 _NAMES_ONLY = "tells what a path is (a folder, an adapter, a hub id) from its name and listing; contents: core.boundary"
+_TASK_INPUT = "its `source` is a task's input string (letters), not a file"
 _COMPONENT = "its `source` names a component ('base', 'composed'), not a file"
 _SCANS = (
     "scans a config for the paths it names, to keep outputs off them; a config it cannot read names none, and the "
@@ -360,20 +361,18 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "mergecompose.core.sources.source_kind": _NAMES_ONLY,
     "mergecompose.core.tiny.task_arithmetic_mergekit_config": "builds a config dict from folder names",
     "mergecompose.core.training.LoraTraining": "the record of a training run this code wrote",
-    "mergecompose.experiments.LettersTaskSettings.expert_variant": _IN_MEMORY,
-    "mergecompose.experiments.SkillsTaskSettings.expert_variant": _IN_MEMORY,
     "mergecompose.experiments.TaskType.expert_variant": _IN_MEMORY,
-    "mergecompose.experiments.letters.LettersTaskSettings.expert_variant": _IN_MEMORY,
-    "mergecompose.experiments.skills.SkillsTaskSettings.expert_variant": _IN_MEMORY,
+    "mergecompose.studies.letters.LettersTaskSettings.expert_variant": _IN_MEMORY,
+    "mergecompose.studies.letters.LettersTaskSettings.lm_eval_choices": _TASK_INPUT,
+    "mergecompose.studies.skills.SkillsTaskSettings.expert_variant": _IN_MEMORY,
     "mergecompose.experiments.lm_eval.LmEvalCompareConfig.merge_config": _IN_MEMORY,
-    "mergecompose.experiments.predict.PredictConfig.compare_config": "`config_path` only resolves the relative "
+    "mergecompose.studies.predict.PredictConfig.compare_config": "`config_path` only resolves the relative "
     "paths of a config already loaded",
-    "mergecompose.experiments.predict.PredictConfig.setting_config": "`config_path` only resolves the relative "
+    "mergecompose.studies.predict.PredictConfig.setting_config": "`config_path` only resolves the relative "
     "paths of a config already loaded",
-    "mergecompose.experiments.predict.preflight_predict": "`config_path` only resolves the relative paths of a "
+    "mergecompose.studies.predict.preflight_predict": "`config_path` only resolves the relative paths of a "
     "config already loaded",
-    "mergecompose.experiments.predict.run_predict_sweep": "runs a config already loaded (cli:predict-sweep has a "
-    "recipe)",
+    "mergecompose.studies.predict.run_predict_sweep": "runs a config already loaded (cli:predict-sweep has a recipe)",
     "mergecompose.integrations.gguf.convert.load_gguf": "is given the path check_convertible returned (its recipe)",
     "mergecompose.integrations.gguf.convert.sha256_file": "hashes the bytes of a file checked before",
     "mergecompose.integrations.gguf.fetch.download_wheels": _WRITES,

@@ -63,6 +63,6 @@ CASES += [
         "lm-eval-config-without-systems",
         "misleading",
         lm_eval_config_without_systems,
-        r"`base` and `experts`, or `letters_run`",
+        r"`base` and `experts`, or `native_run`",
     ),
 ]

@@ -10,8 +10,8 @@ import yaml
 
 from bad_inputs import Api, Case, Cli
 from mergecompose.analysis.run import OverlapRunConfig, preflight_overlap
-from mergecompose.experiments.letters.sweep import SweepConfig, preflight_overlap_sweep
-from mergecompose.experiments.predict import PredictConfig, preflight_predict
+from mergecompose.studies.letters.sweep import SweepConfig, preflight_overlap_sweep
+from mergecompose.studies.predict import PredictConfig, preflight_predict
 
 # A rule that reads two measured diagnostics; each row spoils one part.
 RULE = {

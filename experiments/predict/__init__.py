@@ -1,6 +1,0 @@
-"""Merge or compose? The predict-sweep: unlabelled diagnostics against outcomes across many settings."""
-
-from mergecompose.experiments.predict.config import PredictConfig, preflight_predict
-from mergecompose.experiments.predict.run import run_predict_sweep
-
-__all__ = ["PredictConfig", "preflight_predict", "run_predict_sweep"]

@@ -1,0 +1,261 @@
+"""The study's experts: a math expert and a code expert trained here from the real base, cached by recipe.
+
+A recipe (`ExpertRecipe`) names the skill, the kind (a LoRA adapter on all seven projections, or a
+full fine-tune), the number of distinct training problems and the optimiser's settings. The
+training set is `examples` problems of the skill's train split (templates disjoint from the
+validation and test splits), as chat conversations with `SYSTEM_PROMPT`; the loss is on the
+assistant's tokens and the closing `<|im_end|>` (`training_batch`). Each step takes `batch_size`
+examples, in an order reshuffled every pass (seeded); AdamW with linear warm-up and a cosine to 0,
+gradients clipped at norm 1, the forward pass under bfloat16 autocast with float32 weights where the
+CPU has fast bfloat16 kernels (`autocast: auto`, `mergecompose.core.precision`), in float32 elsewhere;
+`autocast: bfloat16` forces it, `autocast: null` trains in float32.
+
+`train_expert` keeps each trained expert in `CACHE/experts/<skill>-<kind>-<hash>`, the hash of the
+recipe, of the base's files (names, sizes, modification times) and of the training problems: a rerun
+with the same recipe, base and data finds it again; a changed recipe, base or data generator trains
+anew. The folder is written atomically with a manifest (checked on reuse) and `training.json` (the
+recipe, the losses, the seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import torch
+from peft import LoraConfig, get_peft_model
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mergecompose.core.io import atomic_output_dir, atomic_write_text, manifest_problem, write_manifest
+from mergecompose.core.precision import AUTO, fast_bfloat16
+from mergecompose.core.training import Batch, OptimizerSettings, aligned_batch, train_model
+from mergecompose.experiments.config import fingerprint
+from mergecompose.experiments.lm_eval.systems import source_identity
+from mergecompose.studies.math_code.chat_data import end_of_turn_id, generation_inputs, training_batch
+from mergecompose.studies.math_code.code_problems import code_split
+from mergecompose.studies.math_code.math_problems import expanded_arithmetic, math_split
+from mergecompose.studies.math_code.scoring import score_code, score_math
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TRAINING_RECORD = "training.json"
+
+
+class ExpertRecipe(BaseModel):
+    """How one expert is trained from the base (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    skill: Literal["math", "code"]
+    kind: Literal["lora", "full"] = "lora"
+    examples: int = Field(1200, ge=1)  # distinct training problems (code's train templates hold 385)
+    steps: int = Field(150, ge=1)
+    batch_size: int = Field(8, ge=1)
+    learning_rate: float = Field(1e-3, gt=0)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    rank: int = Field(16, ge=1)  # LoRA only
+    alpha: float = Field(32.0, gt=0)  # LoRA only: scaling alpha / rank
+    target_modules: list[str] = Field(default_factory=lambda: list(ALL_PROJECTIONS), min_length=1)
+    seed: int = Field(0, ge=0)
+    autocast: Literal["auto", "bfloat16"] | None = "auto"
+    # The answers trained on: the problems' reference solutions, or the base's own answers that are right
+    # (`samples` drawn per problem at `temperature`, kept when their lenient score passes: rejection sampling).
+    answers: Literal["reference", "sampled"] = "reference"
+    # Math references as written ("direct"), or with each two-number step worked out by place value
+    # ("expanded": `math_problems.expanded_arithmetic`).
+    arithmetic: Literal["direct", "expanded"] = "direct"
+    # Math only: each procedural train template taken this many times a turn (`math_split`); 1: every
+    # template's share equal (the 12 fixed templates then make 3/4 of the problems).
+    procedural_weight: int = Field(1, ge=1)
+    # Math only: the train template `problem_types` (the standard types of one-step word problems, chained)
+    # added, this many times a turn (`math_split`); 0: the train split's templates only.
+    types_weight: int = Field(0, ge=0)
+    samples: int = Field(4, ge=1)
+    temperature: float = Field(0.7, gt=0)
+    max_new_tokens: int = Field(256, ge=1)
+
+    @model_validator(mode="after")
+    def _math_fields_are_for_math(self) -> ExpertRecipe:
+        if self.arithmetic != "direct" and self.skill != "math":
+            raise ValueError(f"`arithmetic` must be 'direct' for a {self.skill} expert, got {self.arithmetic!r}")
+        if self.procedural_weight != 1 and self.skill != "math":
+            raise ValueError(f"`procedural_weight` must be 1 for a {self.skill} expert, got {self.procedural_weight}")
+        if self.types_weight != 0 and self.skill != "math":
+            raise ValueError(f"`types_weight` must be 0 for a {self.skill} expert, got {self.types_weight}")
+        return self
+
+
+def resolved(recipe: ExpertRecipe) -> ExpertRecipe:
+    """`recipe` with `autocast: auto` made what it means on this CPU: 'bfloat16' where it is fast, else None."""
+    if recipe.autocast != AUTO:
+        return recipe
+    return recipe.model_copy(update={"autocast": "bfloat16" if fast_bfloat16("cpu") else None})
+
+
+def _autocast(recipe: ExpertRecipe) -> torch.dtype | None:
+    return torch.bfloat16 if resolved(recipe).autocast == "bfloat16" else None
+
+
+def _math_train_problems(recipe: ExpertRecipe) -> list:
+    return math_split("train", recipe.examples, recipe.seed, recipe.procedural_weight, recipe.types_weight)
+
+
+def training_pairs(recipe: ExpertRecipe) -> list[tuple[str, str]]:
+    """The recipe's (prompt, reference answer) conversations: `examples` distinct train-split problems of its skill."""
+    if recipe.skill == "math":
+        worked = expanded_arithmetic if recipe.arithmetic == "expanded" else str
+        return [(problem.prompt, worked(problem.solution)) for problem in _math_train_problems(recipe)]
+    return [(problem.prompt, problem.answer) for problem in code_split("train", recipe.examples, recipe.seed)]
+
+
+def sampled_pairs(model, tokenizer, recipe: ExpertRecipe, batch_size: int = 32) -> tuple[list[tuple[str, str]], dict]:
+    """The base's own right answers to the recipe's train problems: `samples` completions per problem drawn at
+    `temperature` (seeded), kept where their lenient score passes (distinct answers only); and the counts."""
+    if recipe.skill == "math":
+        problems: list = _math_train_problems(recipe)
+    else:
+        problems = code_split("train", recipe.examples, recipe.seed)
+    prompts = [problem.prompt for problem in problems for _ in range(recipe.samples)]
+    owners = [problem for problem in problems for _ in range(recipe.samples)]
+    torch.manual_seed(recipe.seed)
+    outputs: list[str] = []
+    model.eval()
+    for start in range(0, len(prompts), batch_size):
+        inputs = generation_inputs(tokenizer, prompts[start : start + batch_size])
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=_autocast(recipe) is not None):
+            generated = model.generate(
+                **inputs,
+                do_sample=True,
+                temperature=recipe.temperature,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=recipe.max_new_tokens,
+                pad_token_id=end_of_turn_id(tokenizer),
+                eos_token_id=end_of_turn_id(tokenizer),
+            )
+        outputs += tokenizer.batch_decode(generated[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    if recipe.skill == "math":
+        right = [score_math(output, problem.answer).lenient for output, problem in zip(outputs, owners)]
+    else:
+        right = [score.lenient for score in score_code(outputs, owners)]
+    pairs = list(
+        dict.fromkeys((problem.prompt, output.strip()) for output, problem, ok in zip(outputs, owners, right) if ok)
+    )
+    solved = len({prompt for prompt, _ in pairs})
+    counts = {"drawn": len(outputs), "right": sum(right), "kept": len(pairs), "problems_solved": solved}
+    if not pairs:
+        raise ValueError(
+            f"`answers: sampled`: none of the base's {len(outputs)} answers to {len(problems)} {recipe.skill} problems "
+            "is right; train on the references (`answers: reference`) or draw more (`samples`)"
+        )
+    return pairs, counts
+
+
+# Fields added after experts were cached: keyed only away from these values.
+KEYED_SINCE = {"procedural_weight": 1, "types_weight": 0}
+
+
+def recipe_key(recipe: ExpertRecipe) -> dict:
+    """The recipe as its cache key holds it: `autocast: auto` as what it resolves to (an expert trained in
+    bfloat16 is not one trained in float32), and a field added since (`KEYED_SINCE`) only where it is not at the
+    value that gives the old behaviour, so an expert cached before the field existed is found again."""
+    fields = resolved(recipe).model_dump(mode="json")
+    return {name: value for name, value in fields.items() if KEYED_SINCE.get(name, object()) != value}
+
+
+def expert_folder(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike) -> Path:
+    """Where `train_expert` keeps the expert of `recipe` on `base` (nothing is trained).
+
+    The key holds the recipe, the base's files and the training problems themselves, so a change to a
+    data generator trains anew instead of reusing an expert trained on other problems.
+    """
+    problems = fingerprint([list(pair) for pair in training_pairs(recipe)])
+    key = fingerprint({"recipe": recipe_key(recipe), "base": source_identity(str(base)), "data": problems})
+    return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
+
+
+def cached_expert(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike) -> Path | None:
+    """The trained expert's folder if the cache holds it whole (its manifest checks out), else None."""
+    folder = expert_folder(base, recipe, cache)
+    return folder if folder.is_dir() and manifest_problem(folder) is None else None
+
+
+def train_expert(
+    base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike, *, progress: bool = True
+) -> Path:
+    """The expert of `recipe` trained from the checkpoint folder `base`: a peft adapter folder (`kind: lora`)
+    or a full checkpoint with the base's tokenizer (`kind: full`), from the cache or trained now."""
+    found = cached_expert(base, recipe, cache)
+    if found is not None:
+        return found
+    folder = expert_folder(base, recipe, cache)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    started = time.perf_counter()
+    if recipe.answers == "sampled":
+        pairs, counts = sampled_pairs(model, tokenizer, recipe)
+    else:
+        pairs, counts = training_pairs(recipe), {"kept": recipe.examples}
+    if recipe.kind == "lora":
+        config = LoraConfig(
+            r=recipe.rank,
+            lora_alpha=recipe.alpha,
+            target_modules=list(recipe.target_modules),  # type: ignore[arg-type]
+        )
+        model = get_peft_model(model, config)
+    settings = OptimizerSettings(
+        lr=recipe.learning_rate,
+        weight_decay=recipe.weight_decay,
+        schedule="cosine",
+        warmup_fraction=min(recipe.warmup_steps / recipe.steps, 0.99),
+        grad_clip=1.0,
+    )
+    torch.manual_seed(recipe.seed)
+    log = train_model(
+        model,
+        _batches(tokenizer, pairs, recipe),
+        settings,
+        recipe.steps,
+        description=f"{recipe.skill} expert ({recipe.kind})",
+        progress=progress,
+        log_every=1,
+        autocast=_autocast(recipe),
+        labelled_logits_only=True,
+    )
+    seconds = round(time.perf_counter() - started, 1)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output_dir(folder, overwrite=True) as out:
+        if recipe.kind == "lora":
+            model.save_pretrained(str(out))
+        else:
+            model.save_pretrained(out)
+            tokenizer.save_pretrained(str(out))
+        record = {
+            "recipe": resolved(recipe).model_dump(mode="json"),
+            "base": str(base),
+            "seconds": seconds,
+            "examples": counts,
+            "losses": log.rounded_losses(),
+        }
+        atomic_write_text(out / TRAINING_RECORD, json.dumps(record, indent=2) + "\n")
+        write_manifest(out)
+    return folder
+
+
+def _batches(tokenizer, pairs: list[tuple[str, str]], recipe: ExpertRecipe) -> Iterator[Batch]:
+    """`recipe.steps` batches of `batch_size` conversations, each pass over `pairs` in a new seeded order."""
+    rng = random.Random(recipe.seed)
+    order: list[int] = []
+    for _ in range(recipe.steps):
+        while len(order) < recipe.batch_size:
+            fresh = list(range(len(pairs)))
+            rng.shuffle(fresh)
+            order.extend(fresh)
+        chosen, order = order[: recipe.batch_size], order[recipe.batch_size :]
+        yield aligned_batch(training_batch(tokenizer, [pairs[index] for index in chosen]))
