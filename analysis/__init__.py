@@ -27,7 +27,7 @@ from mergecompose.analysis.diagnostics import (
     weighted_overlap,
 )
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
-from mergecompose.analysis.settings import OverlapSettings
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.streaming import OverlapAccumulator, OverlapReport
 
 __all__ = [

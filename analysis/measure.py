@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.parameters import parameter_overlap
-from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.analysis.streaming import OverlapAccumulator, OverlapReport
 from mergecompose.composition import ComposedLM, compose_with_remedies
 from mergecompose.composition.inputs import as_mask, as_token_ids

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mergecompose.analysis import diagnostics as dx
-from mergecompose.analysis.settings import OverlapSettings
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.composition.rule import LOGPROB_FLOOR
 
 

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from mergecompose.analysis.diagnostics import expert_activity
 from mergecompose.analysis.measure import batch_tensors, measure_overlap
-from mergecompose.analysis.settings import OverlapSettings
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.composition import ComposedLM, compose_with_remedies
 from mergecompose.composition.rule import check_weights, compose_logprobs
 from mergecompose.core.boundary import check_text_file

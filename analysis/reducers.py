@@ -28,7 +28,7 @@ import torch
 
 from mergecompose.analysis import diagnostics as dx
 from mergecompose.analysis.measured_batch import MeasuredBatch, SequenceBatch
-from mergecompose.analysis.settings import OverlapSettings
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.summaries import LogHistogram, pair_key, token_labels
 
 

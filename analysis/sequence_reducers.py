@@ -10,7 +10,7 @@ import torch
 
 from mergecompose.analysis import diagnostics as dx
 from mergecompose.analysis.measured_batch import SequenceBatch
-from mergecompose.analysis.settings import OverlapSettings
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.summaries import PositionReservoir, pair_key, token_labels
 
 

@@ -18,6 +18,7 @@ import torch
 
 from mergecompose.analysis.diagnostics import active_intervals
 from mergecompose.analysis.measured_batch import MeasuredBatch, SequenceBatch
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.reducers import (
     ActivityReducer,
     KLHistogramReducer,
@@ -31,7 +32,6 @@ from mergecompose.analysis.reducers import (
     merge_reports,
 )
 from mergecompose.analysis.sequence_reducers import ExampleReducer, IntervalReducer
-from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.analysis.summaries import PositionReservoir
 from mergecompose.composition.rule import check_weights, compose_logprobs
 

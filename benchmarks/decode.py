@@ -56,10 +56,10 @@ from mergecompose.composition import ComposedLM, SpeculationStats, compose_logpr
 from mergecompose.core.boundary import check_model_or_adapter
 from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import ALL_LINEAR, tiny_llama_config
-from mergecompose.experiments.components import prepare_components
-from mergecompose.experiments.config import load_config
-from mergecompose.experiments.strings import is_held_out
+from mergecompose.experiments.compare_config import load_config
 from mergecompose.experiments.tokenizer import encode_strings
+from mergecompose.experiments.trained_models import prepare_components
+from mergecompose.experiments.training_strings import is_held_out
 from mergecompose.studies.letters.task import sample_strings
 from mergecompose.studies.math_code.chat_data import generation_inputs
 from mergecompose.studies.math_code.math_problems import math_split
@@ -204,7 +204,7 @@ class Workbench:
             self.systems["base"] = self._run_base
         if {"full", "full+spec"} & set(systems):
             # Its own copy of the base: a composition of full models replaces their linears' forwards while it is
-            # open (composition/kernels/few_rows.py), and (a) runs transformers' `generate` on a model left as it is.
+            # open (kernels/few_row_linear.py), and (a) runs transformers' `generate` on a model left as it is.
             self.full = ComposedLM(fresh_base(), experts)
         if {"lora", "lora+spec"} & set(systems):
             self.lora = ComposedLM.from_adapters(fresh_base(), adapters, lora_implementation=args.lora_implementation)

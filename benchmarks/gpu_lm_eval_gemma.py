@@ -71,8 +71,10 @@ from transformers import AutoModelForCausalLM, Gemma2Config, PreTrainedTokenizer
 from benchmarks.shapes import gemma2_2b_config
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.experiments.compare import run_compare
-from mergecompose.experiments.config import load_config
-from mergecompose.experiments.lm_eval import run as lm_eval_run  # importing it registers the `lm_eval` compare kind
+from mergecompose.experiments.compare_config import load_config
+from mergecompose.experiments.lm_eval import (
+    lm_eval_compare as lm_eval_run,  # importing it registers the `lm_eval` compare kind
+)
 
 GEMMA_SPECIAL_TOKENS = {
     "pad_token": "<pad>",

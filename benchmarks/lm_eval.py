@@ -41,7 +41,7 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 from transformers import AutoTokenizer
 
-import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers `composed` with lm-eval)
+import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers `composed` with lm-eval)
 from benchmarks.decode import Workbench, _sync, add_workload_arguments
 from benchmarks.real_model import add_model_arguments, real_workload
 from benchmarks.report import conditions, conditions_line, write_results

@@ -1,6 +1,6 @@
 """Probability-space composition: log p̂ = log p_b + Σ_i w_i (log p_i − log p_b), renormalised."""
 
-from mergecompose.composition.config import DecodingConfig
+from mergecompose.composition.decoding_config import DecodingConfig
 from mergecompose.composition.model import ComposedLM
 from mergecompose.composition.remedies import (
     ActivityGate,

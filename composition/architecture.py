@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel
 
-from mergecompose.composition.records import shared_vocabulary, tokenizer_size
+from mergecompose.composition.vocabulary import shared_vocabulary, tokenizer_size
 
 # Config fields that hold the number of positions a model was built for, in the order looked up.
 _CONTEXT_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "n_ctx")

@@ -10,8 +10,8 @@ from typing import Any, cast
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from mergecompose.composition.records import check_saved_tensors_fit, checkpoint_vocabulary
 from mergecompose.composition.rule import check_weights
+from mergecompose.composition.vocabulary import check_saved_tensors_fit, checkpoint_vocabulary
 from mergecompose.core.adapters import check_adapter_names, merged_adapter_model, warn_if_made_for_another_base
 from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter
 

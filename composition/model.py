@@ -20,9 +20,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from mergecompose.composition.architecture import check_vocabularies, context_length
 from mergecompose.composition.backend import Backend
-from mergecompose.composition.config import DecodingConfig, decoding_arguments
+from mergecompose.composition.decoding_config import DecodingConfig, decoding_arguments
 from mergecompose.composition.inputs import check_context, checked_logprobs, prepare_inputs, prepare_prompt
-from mergecompose.composition.kernels.few_rows import FewRowKernel
+from mergecompose.composition.kernels.few_row_linear import FewRowKernel
 from mergecompose.composition.kernels.mixed_head import can_mix, decoding_backend
 from mergecompose.composition.loading import (
     check_adapter_arguments,
@@ -31,7 +31,6 @@ from mergecompose.composition.loading import (
     check_tokenizers,
     load_experts,
 )
-from mergecompose.composition.records import with_vocabulary
 from mergecompose.composition.remedies import compose_with_remedies
 from mergecompose.composition.rule import check_weights
 from mergecompose.composition.sampling import Sampler, TokenStream, sample
@@ -39,6 +38,7 @@ from mergecompose.composition.separate_models import SeparateModels
 from mergecompose.composition.shared_adapters import SharedAdapters
 from mergecompose.composition.speculative.decoding import SpeculationStats, speculate
 from mergecompose.composition.stops import Stopping, special_ids, stop_criteria
+from mergecompose.composition.vocabulary import with_vocabulary
 from mergecompose.core.adapters import warn_if_made_for_another_base
 
 _CLOSED = "this ComposedLM was closed and has given its models back; build a new one to compose again"
@@ -139,7 +139,7 @@ class ComposedLM:
         "stacked", the forward of each of its `nn.Linear` is replaced by one that adds the LoRA
         products inside this object's forward passes only; with "peft", LoRA layers are injected
         into it), frozen and put in eval mode. With "stacked" on a CPU, the float32 weights of its
-        decoder linears are meanwhile held in oneDNN's packed layout (kernels/few_rows.py): the parameters
+        decoder linears are meanwhile held in oneDNN's packed layout (kernels/few_row_linear.py): the parameters
         keep their identity but hold empty tensors, `state_dict()` gives the dense weights. `close()`
         (or leaving a `with` block) undoes all of it: same modules, parameters, flags and outputs as
         before, the weights bit for bit. `lora_implementation` picks

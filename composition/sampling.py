@@ -15,7 +15,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 from transformers.generation.streamers import BaseStreamer
 
 from mergecompose.composition.backend import Backend
-from mergecompose.composition.config import DecodingConfig
+from mergecompose.composition.decoding_config import DecodingConfig
 from mergecompose.composition.inputs import Prompt
 from mergecompose.composition.stops import Stopping
 

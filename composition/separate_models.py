@@ -1,6 +1,6 @@
 """The backend of full expert checkpoints: k+1 models, run one after another, each with its own KV cache.
 
-Their plain linears use the few-row kernel (kernels/few_rows.py) while a pass runs: speculative decoding verifies
+Their plain linears use the few-row kernel (kernels/few_row_linear.py) while a pass runs: speculative decoding verifies
 K+1 tokens a row, and a batch of B rows decodes B rows a step."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from mergecompose.composition.architecture import cache_kwarg
 from mergecompose.composition.backend import Caches
-from mergecompose.composition.kernels.few_rows import FewRowKernel, FewRowLinears
+from mergecompose.composition.kernels.few_row_linear import FewRowKernel, FewRowLinears
 from mergecompose.composition.kv_cache import GrowingCache
 from mergecompose.composition.speculative.drafts import merged_full_draft
 

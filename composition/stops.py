@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase, StopStringCriteria
 
-from mergecompose.composition.config import is_integer
+from mergecompose.composition.decoding_config import is_integer
 
 
 class StopCriteria(Protocol):

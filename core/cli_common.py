@@ -1,7 +1,8 @@
 """What every `mergecompose` subcommand shares, defined once: the flags `--out`, `--overwrite`, `--quiet`,
 `--threads` and `--check`, and the declaration of the files and folders a command reads and writes.
 
-Each package's `cli.py` calls `add_common_flags` and `declare_paths` on its subparsers;
+Each package's command module (`*_command.py`, `*_commands.py`) calls `add_common_flags` and `declare_paths` on
+its subparsers;
 `mergecompose.cli.main` then, before anything is written or loaded, checks each output against every
 declared input (`check_declared_paths`), runs the command's pre-flight, and runs the command inside
 `command_settings`, which applies `--threads` and `--quiet` and restores both after.

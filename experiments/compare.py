@@ -13,7 +13,7 @@ Systems:
 
 Every system is scored on every test split against the joint target, and on its own target
 per length (`by_length`): the base on copying, an expert on its skill, the rest on the joint task.
-The task type (`config.task`, registered in `mergecompose.experiments.registry`: letters, skills) gives
+The task type (`config.task`, registered in `mergecompose.experiments.plugins`: letters, skills) gives
 the training data, the evaluation data and any extra results sections.
 """
 
@@ -33,14 +33,13 @@ from tqdm.auto import tqdm
 from mergecompose.composition import ComposedLM
 from mergecompose.core.cli_common import check_free_disk
 from mergecompose.core.io import atomic_write_text
-from mergecompose.experiments.components import Components, prepare_components
-from mergecompose.experiments.config import CompareConfig, fingerprint
+from mergecompose.experiments.compare_config import CompareConfig, fingerprint
+from mergecompose.experiments.compare_report import format_tables, plot_lengths, results_markdown
 from mergecompose.experiments.evaluate import JOINT, EvalData, greedy_agreement, mean_exact_match, score, summary
 from mergecompose.experiments.merge_selection import best_per_method, merged_model, search_merges
-from mergecompose.experiments.registry import compare_kind_of
-from mergecompose.experiments.report import format_tables, plot_lengths, results_markdown
+from mergecompose.experiments.plugins import compare_kind_of
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder, Stopwatch
-from mergecompose.experiments.systems import (
+from mergecompose.experiments.scored_systems import (
     BASE,
     ComposedModel,
     SingleModel,
@@ -49,6 +48,7 @@ from mergecompose.experiments.systems import (
     merge_name,
     remedy_name,
 )
+from mergecompose.experiments.trained_models import Components, prepare_components
 
 BAR = 0.99  # the issue's bar for components and for the composition
 
@@ -59,7 +59,7 @@ COMPARE_FOLDER = FolderLayout("a compare run folder", cached=("checkpoints", "co
 @dataclass
 class RunContext:
     """What a results section gets: the config, the trained components, the data, and each system's loaded model
-    (`mergecompose.experiments.systems.SingleModel` or `ComposedModel`) by system name."""
+    (`mergecompose.experiments.scored_systems.SingleModel` or `ComposedModel`) by system name."""
 
     config: CompareConfig
     components: Components
@@ -92,7 +92,7 @@ def run_compare(
     small that one thread is fastest, and several are much slower on a loaded machine.
     Returns the results dict (the content of results.json).
 
-    A config of another compare kind (`mergecompose.experiments.registry.compare_kinds`, e.g. `type: lm_eval`)
+    A config of another compare kind (`mergecompose.experiments.plugins.compare_kinds`, e.g. `type: lm_eval`)
     is run by that kind's own function, under the same `threads`; `sections` apply to `CompareConfig` only.
 
     Everything is checked first (`preflight_compare`), unless `checked`: the caller ran it on this config and

@@ -22,7 +22,7 @@ import torch
 from scipy.stats import binomtest
 
 from mergecompose.experiments.formats import IGNORE_INDEX, SequenceFormat
-from mergecompose.experiments.systems import ScoredModel
+from mergecompose.experiments.scored_systems import ScoredModel
 from mergecompose.experiments.tokenizer import decode_ids, encode_strings
 
 # The split every task type must have: inputs that need every composed skill, scored on the joint target.

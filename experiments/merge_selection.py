@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from mergecompose.experiments.systems import System
+from mergecompose.experiments.scored_systems import System
 from mergecompose.merging import merge
 
 

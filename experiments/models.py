@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from mergecompose.experiments.config import LoraSettings, ModelSettings
+from mergecompose.experiments.compare_config import LoraSettings, ModelSettings
 
 
 def build_model(settings: ModelSettings, vocab_size: int, pad_id: int, eos_id: int, seed: int) -> PreTrainedModel:

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from mergecompose.analysis.report import json_safe
+from mergecompose.analysis.overlap_report import json_safe
 from mergecompose.core.io import atomic_write_text, remove_leftovers
 from mergecompose.core.locks import RUN_LOCK_NAME, run_folder_lock
 

@@ -30,10 +30,10 @@ from safetensors import safe_open
 from mergecompose.core.boundary import check_adapter, check_checkpoint, check_text_file
 from mergecompose.core.io import atomic_output_dir, read_yaml_mapping, refuse_existing, refuse_output_over_inputs
 from mergecompose.core.sources import is_local
-from mergecompose.merging.io import SafetensorsCheckpoint
+from mergecompose.merging.lazy_tensors import SafetensorsCheckpoint
 from mergecompose.merging.merge import MERGEKIT_MODE
-from mergecompose.merging.registry import METHODS, mergekit_methods, validate_merge_params
-from mergecompose.merging.settings import MergeSettings, readable_error
+from mergecompose.merging.method_settings import MergeSettings, readable_error
+from mergecompose.merging.methods import METHODS, mergekit_methods, validate_merge_params
 from mergecompose.merging.state_dicts import check_finite
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 # On disk the definitions are mergekit's: these keywords are fixed to its values.
 _FIXED_ON_DISK = {**MERGEKIT_MODE, "sign_election": "mass"}
-# mergekit's parameter names -> ours (`mergecompose.merging.settings`); the others mergekit checks itself.
+# mergekit's parameter names -> ours (`mergecompose.merging.method_settings`); the others mergekit checks itself.
 _OUR_NAMES = {"weight": "weights", "lambda": "lam", "density": "density", "gamma": "gamma", "normalize": "normalize"}
 _ADAPTER_HINT = (
     "mergekit merges full checkpoints: give it on its base as `BASE+ADAPTER` (mergekit's syntax), or save "
@@ -71,7 +71,7 @@ class CheckpointMergeConfig(BaseModel):
         density: 0.2
         lam: 1.0
 
-    `method` is one mergekit runs (`mergecompose.merging.registry.mergekit_methods()`); the other keys are
+    `method` is one mergekit runs (`mergecompose.merging.methods.mergekit_methods()`); the other keys are
     the method's parameters, validated by its settings model (`METHODS[method].settings`) when
     the config is.
     """
@@ -311,7 +311,7 @@ def check_mergekit_parameters(config: Mapping) -> None:
     mergekit passes density −0.5 (the output is the base), density 2.0, λ NaN (every weight NaN)
     and misspelt parameter names on without a word. Here: the method must be one mergekit runs;
     each parameter name one the method takes (mergekit's own list); every number finite; and for
-    a method we define too (`mergecompose.merging.registry.mergekit_methods()`), every value of `weight`,
+    a method we define too (`mergecompose.merging.methods.mergekit_methods()`), every value of `weight`,
     `lambda`, `density`, `gamma` and `normalize` (each point of a gradient or filter list, at the
     top level, per model and per slice) valid for our settings model under mergekit's definitions.
     """

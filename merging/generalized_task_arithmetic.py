@@ -37,7 +37,7 @@ import torch
 from mergekit.merge_methods.generalized_task_arithmetic import get_mask
 from tqdm.auto import tqdm
 
-from mergecompose.merging.settings import (
+from mergecompose.merging.method_settings import (
     BreadcrumbsSettings,
     DareLinearSettings,
     MagnitudePruneSettings,
@@ -54,7 +54,7 @@ _MERGEKIT_ELECTION = {"mass": "sum", "count": "count"}
 class GeneralizedTaskArithmetic(NamedBySettings):
     """One configured variant: its settings model, which sparsification, whether to elect signs.
 
-    settings: the pydantic model of its parameters and defaults (`mergecompose.merging.settings`).
+    settings: the pydantic model of its parameters and defaults (`mergecompose.merging.method_settings`).
     sparsification: None | "magnitude" | "random" | "outliers".
     sign_consensus: elect a sign per entry and average only agreeing entries (TIES).
     mergekit: mergekit runs the same merge under the same name (`merge_checkpoints` offers it).

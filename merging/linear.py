@@ -17,7 +17,7 @@ from typing import cast
 import torch
 from tqdm.auto import tqdm
 
-from mergecompose.merging.settings import LinearSettings, NamedBySettings
+from mergecompose.merging.method_settings import LinearSettings, NamedBySettings
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import save_file
 
 from mergecompose.core.io import atomic_output_dir, refuse_existing
-from mergecompose.merging.registry import get_method, validate_merge_params
+from mergecompose.merging.methods import get_method, validate_merge_params
 from mergecompose.merging.state_dicts import (
     check_finite,
     check_finite_tensors,
@@ -48,7 +48,7 @@ def merge(
         finetuned_or_task_vectors: a list of k models, state dicts or `TaskVector`s (mixed is
             fine); models and state dicts become τ_i = θ_i − θ_base.
         params: the method's parameters, validated by its model `METHODS[method].settings`
-            (`mergecompose.merging.settings`; None means the method's default):
+            (`mergecompose.merging.method_settings`; None means the method's default):
             weights: w_i per input, default 1.0 each.
             lam: λ, scaling of the merged task vector (not for linear; > 0 for ties / dare_ties).
             density: fraction of entries kept, in (0, 1]: ties, magnitude_prune, breadcrumbs (and
@@ -63,7 +63,7 @@ def merge(
             rescale: DARE's "inverse" (1/(1 − p); default) or "l1" (mergekit; default under
                 consensus="mergekit").
             normalize: divide the merged delta by Σ w (or, with signs, by the count / the weights
-                of the agreeing entries); the default is the method's (see `mergecompose.merging.registry`).
+                of the agreeing entries); the default is the method's (see `mergecompose.merging.methods`).
         out_dir: also write the merged model there (atomically): `save_pretrained` for a
             transformers model, `model.safetensors` for a state dict, and `merge_settings.yaml`
             with the resolved settings.

@@ -13,7 +13,7 @@ from typing import TypeVar, overload
 import torch
 from peft import PeftModel
 
-from mergecompose.merging.io import SafetensorsCheckpoint
+from mergecompose.merging.lazy_tensors import SafetensorsCheckpoint
 from mergecompose.merging.lora import lora_delta_weights
 from mergecompose.merging.state_dicts import (
     check_finite,

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from transformers.utils import logging as transformers_logging
 
-from mergecompose.analysis.report import format_number
+from mergecompose.analysis.overlap_report import format_number
 from mergecompose.core.cli_common import add_common_flags, check_free_disk, declare_paths
 from mergecompose.core.io import load_yaml_config, markdown_table
 from mergecompose.experiments.compare import synthetic_checkpoint_bytes
-from mergecompose.studies.letters.sweep import SweepConfig, preflight_overlap_sweep, run_sweep
+from mergecompose.studies.letters.overlap_sweep import SweepConfig, preflight_overlap_sweep, run_sweep
 from mergecompose.studies.predict import PredictConfig, preflight_predict, run_predict_sweep
-from mergecompose.studies.predict.report import ranked
-from mergecompose.studies.skills.sweep import load_sweep_configs, run_skills_sweep
+from mergecompose.studies.predict.predict_report import ranked
+from mergecompose.studies.skills.skills_sweep import load_sweep_configs, run_skills_sweep
 
 
 def add_commands(subparsers) -> None:
@@ -47,7 +47,7 @@ def add_commands(subparsers) -> None:
     )
     sweep.add_argument(
         "config",
-        help="a sweep YAML (mergecompose.studies.letters.sweep.SweepConfig), e.g. configs/sweep_letters.yaml",
+        help="a sweep YAML (mergecompose.studies.letters.overlap_sweep.SweepConfig), e.g. configs/sweep_letters.yaml",
     )
     add_common_flags(
         sweep,

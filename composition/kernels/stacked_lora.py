@@ -17,12 +17,12 @@ factors are laid side by side, A = [A_1 | … | A_k] (in, k·r) and B = [B_1; �
 which is two plain matrix products and one product with a 0/1 mask, whatever k is; the base's rows add
 exactly zero. Siblings that read one input (q, k, v) share the product x A of all their columns, and each
 one multiplies its own columns of it (a strided view, no copy) by its own B in one `addmm_`. Where the base's
-weights are packed (kernels/few_rows.py), A is packed with them as extra rows, so x A comes out of the base's own
+weights are packed (kernels/few_row_linear.py), A is packed with them as extra rows, so x A comes out of the base's own
 product, with no call of its own.
 
 The factors come from the adapters that peft loaded; the LoRA layers are then unloaded
 (`PeftModel.unload`, no merge) so the base model is plain again, and the replaced forwards of the base
-linears (`FewRowLinears`, kernels/few_rows.py) add the stacked products while `active()` is on. `close()` removes
+linears (`FewRowLinears`, kernels/few_row_linear.py) add the stacked products while `active()` is on. `close()` removes
 the hooks and gives every module its own forward back.
 """
 
@@ -36,7 +36,7 @@ from typing import Any, cast
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-from mergecompose.composition.kernels.few_rows import (
+from mergecompose.composition.kernels.few_row_linear import (
     FewRowKernel,
     FewRowLinears,
     reads_same,
@@ -90,7 +90,7 @@ class _SharedInput:
         self.hidden: torch.Tensor | None = None
 
     def reads(self, x: torch.Tensor) -> bool:
-        """True if `x` is the input the product was computed from, unchanged (`few_rows.reads_same`): an inference
+        """True if `x` is the input the product was computed from, unchanged (`few_row_linear.reads_same`): an inference
         tensor never is, so each sibling then computes its own product."""
         return reads_same(self.x, self.version, x)
 
@@ -152,7 +152,7 @@ class StackedLoRA:
             elif path in stacked:  # e.g. GPT-2's Conv1D: keep its forward, add the products after it
                 self._handles.append(module.register_forward_hook(self._hook(stacked[path])))
         # The shared base's linears run over (k+1)·B rows at a decoding step: their weights packed where oneDNN
-        # can (the base's own bytes, reordered in place until `close()`), else the few-row kernel (kernels/few_rows.py).
+        # can (the base's own bytes, reordered in place until `close()`), else the few-row kernel (few_row_linear.py).
         self.linears = FewRowLinears(linears, pack_model=self.model, pack_rows=self.n_components, extra_rows=extra_rows)
 
     @property
@@ -189,7 +189,7 @@ class StackedLoRA:
         """output[expert rows] += s_i B_i A_i x[expert rows], in place; x (N, in), output (N, out), N = (k+1)·B·T.
 
         `extra`: x A of this module's (or its group's) side-by-side factors, where the packed base product computed
-        it with the weights (kernels/few_rows.py, `extra_rows`); None: computed here."""
+        it with the weights (kernels/few_row_linear.py, `extra_rows`); None: computed here."""
         n = self.n_components
         rows = x.shape[0] // n  # B·T, the rows of one component
         if factors.complete and (n - 1) * rows <= _FEW_EXPERT_ROWS and x.dtype == factors.a_side.dtype == output.dtype:

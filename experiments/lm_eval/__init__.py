@@ -7,12 +7,12 @@ scored by lm-eval. The modules, under `mergecompose.experiments.lm_eval`:
     systems  the systems as lm-eval models; merges (mergekit) and dense LoRA experts, cached
     cells    one (system, task) cell: lm-eval's `simple_evaluate`, records with 95 % intervals
     report   results.md and bars.png
-    run      the whole compare, registered as the compare kind `lm_eval` (`mergecompose.experiments.registry`)
+    run      the whole compare, registered as the compare kind `lm_eval` (`mergecompose.experiments.plugins`)
 
 It needs the `lm-eval` extra; `mergecompose.experiments.compare` imports it only when lm-eval is installed.
 """
 
-from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig
-from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
+from mergecompose.experiments.lm_eval.lm_eval_compare import run_lm_eval_compare
+from mergecompose.experiments.lm_eval.lm_eval_config import LmEvalCompareConfig
 
 __all__ = ["LmEvalCompareConfig", "run_lm_eval_compare"]

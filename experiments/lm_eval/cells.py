@@ -26,11 +26,11 @@ import lm_eval
 from lm_eval.utils import handle_non_serializable
 
 from mergecompose.core.io import atomic_write_text
-from mergecompose.experiments.config import fingerprint
+from mergecompose.experiments.compare_config import fingerprint
 from mergecompose.experiments.evaluate import wilson_interval
-from mergecompose.experiments.lm_eval.systems import slug
+from mergecompose.experiments.lm_eval.lm_eval_systems import slug
 from mergecompose.experiments.run_folder import Stopwatch
-from mergecompose.experiments.systems import System
+from mergecompose.experiments.scored_systems import System
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class TaskRun:
 
 
 @dataclass(frozen=True)
-class EvaluationSettings:
+class CellSettings:
     """lm-eval's settings shared by every cell of a run."""
 
     num_fewshot: int | None
@@ -68,7 +68,7 @@ def folder_digest(folders) -> str:
 class CellStore:
     """Cells under `root/cells` and their samples under `root/samples`; which were evaluated in this run."""
 
-    def __init__(self, root: Path, settings: EvaluationSettings, manager):
+    def __init__(self, root: Path, settings: CellSettings, manager):
         self.root = Path(root)
         self.cells_dir, self.samples_dir = self.root / "cells", self.root / "samples"
         self.settings, self.manager = settings, manager

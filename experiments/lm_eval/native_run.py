@@ -29,7 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mergecompose.core.io import atomic_write_text
-from mergecompose.experiments.config import CompareConfig
+from mergecompose.experiments.compare_config import CompareConfig
 from mergecompose.experiments.evaluate import JOINT, EvalSet
 from mergecompose.experiments.tokenizer import EOS, SEP
 

@@ -12,7 +12,7 @@ merges were built and other systems evaluated:
   peft adapter its base's) against the base's, from the files, without loading weights;
 * the task files under `include_path` (they parse, and have lm-eval's fields);
 * `gen_kwargs`, and the generation settings of the tasks a composition is scored on, that the composed
-  model supports (`mergecompose.integrations.lm_eval.model.GENERATION_KWARGS`);
+  model supports (`mergecompose.integrations.lm_eval.harness_model.GENERATION_KWARGS`);
 * `merge_selection.metric`: a metric the selection task reports (from its `metric_list`);
 * each task whose data is local, built by lm-eval (its files and splits read), and `task.num_fewshot` (or the
   task's own `num_fewshot`) no more than the documents lm-eval draws the examples from; a hub dataset is not
@@ -35,11 +35,11 @@ from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter
 from mergecompose.core.cli_common import check_free_disk
 from mergecompose.core.precision import slow_dtype_problem
 from mergecompose.core.sources import ADAPTER_CONFIG, CONFIG, is_local
-from mergecompose.experiments.config import fingerprint
+from mergecompose.experiments.compare_config import fingerprint
 from mergecompose.experiments.lm_eval.catalog import check_task_files, leaf_configs, metric_names, task_kind
-from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig, check_hub_sources
+from mergecompose.experiments.lm_eval.lm_eval_config import LmEvalCompareConfig, check_hub_sources
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
-from mergecompose.integrations.lm_eval.model import GENERATION_KWARGS
+from mergecompose.integrations.lm_eval.harness_model import GENERATION_KWARGS
 from mergecompose.integrations.lm_eval.quiet import quiet_lm_eval
 
 
@@ -66,7 +66,7 @@ def check_before_work(config: LmEvalCompareConfig, config_path: str | os.PathLik
 
 
 def preflight(config: LmEvalCompareConfig, out_dir, overwrite: bool = False, config_path=None) -> None:
-    """The compare kind's pre-flight (`mergecompose.experiments.registry.CompareKind.preflight`): the run folder is
+    """The compare kind's pre-flight (`mergecompose.experiments.plugins.CompareKind.preflight`): the run folder is
     new, this config's or replaceable, and `check_before_work`."""
     RunFolder(Path(out_dir), LM_EVAL_FOLDER).check(fingerprint(config), overwrite)
     check_before_work(config, config_path)

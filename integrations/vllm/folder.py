@@ -9,7 +9,7 @@ A small folder, no copy of any checkpoint:
 * the base's tokenizer files (and generation config), so that vLLM, its server and lm-eval read the
   base's tokenizer;
 * `composition.safetensors`: the weights as one tensor. vLLM refuses a folder without weight files; the
-  components' own weights are read from their folders (`mergecompose.integrations.vllm.model`).
+  components' own weights are read from their folders (`mergecompose.integrations.vllm.composite_model`).
 
 Everything a user can get wrong is checked here, before vLLM starts and before anything is written: a
 missing path, a folder that is neither a checkpoint nor an adapter, experts whose config or tokenizer differ

@@ -18,17 +18,17 @@ from mergecompose.core.io import one_read_per_file, validation_message
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
 _COMMAND_MODULES = [
-    "mergecompose.composition.cli",
-    "mergecompose.integrations.vllm.cli",
-    "mergecompose.merging.cli",
-    "mergecompose.analysis.cli",
-    "mergecompose.experiments.cli",
+    "mergecompose.composition.demo_command",
+    "mergecompose.integrations.vllm.vllm_model_command",
+    "mergecompose.merging.merge_commands",
+    "mergecompose.analysis.overlap_command",
+    "mergecompose.experiments.compare_command",
     "mergecompose.studies.sweep_commands",
 ]
 # Commands of an optional extra: module -> (the package it needs, the command or a tuple of them, the extra).
 _OPTIONAL_COMMAND_MODULES = {
-    "mergecompose.integrations.lm_eval.cli": ("lm_eval", "lm-eval", "lm-eval"),
-    "mergecompose.integrations.gguf.cli": ("gguf", ("fetch-model", "convert-gguf"), "real-model"),
+    "mergecompose.integrations.lm_eval.lm_eval_command": ("lm_eval", "lm-eval", "lm-eval"),
+    "mergecompose.integrations.gguf.gguf_commands": ("gguf", ("fetch-model", "convert-gguf"), "real-model"),
 }
 
 # Errors caused by the user's input, reported in one line, whatever their type. ValueError covers pydantic's

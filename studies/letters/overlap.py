@@ -25,8 +25,8 @@ from mergecompose.analysis.measure import measure_overlap, rollout_batches
 from mergecompose.analysis.streaming import OverlapSettings
 from mergecompose.composition import ComposedLM
 from mergecompose.experiments.formats import IGNORE_INDEX
-from mergecompose.experiments.strings import is_held_out
 from mergecompose.experiments.tokenizer import encode_strings
+from mergecompose.experiments.training_strings import is_held_out
 from mergecompose.merging import TaskVector, merge
 from mergecompose.studies.letters.task import apply_replacements, sample_strings
 

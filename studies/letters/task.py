@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mergecompose.experiments.evaluate import JOINT
-from mergecompose.experiments.strings import distinct_strings
+from mergecompose.experiments.training_strings import distinct_strings
 
 NEITHER = "neither"
 

@@ -35,8 +35,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mergecompose.core.io import atomic_output_dir, atomic_write_text, manifest_problem, write_manifest
 from mergecompose.core.precision import AUTO, fast_bfloat16
 from mergecompose.core.training import Batch, OptimizerSettings, aligned_batch, train_model
-from mergecompose.experiments.config import fingerprint
-from mergecompose.experiments.lm_eval.systems import source_identity
+from mergecompose.experiments.compare_config import fingerprint
+from mergecompose.experiments.lm_eval.lm_eval_systems import source_identity
 from mergecompose.studies.math_code.chat_data import end_of_turn_id, generation_inputs, training_batch
 from mergecompose.studies.math_code.code_problems import code_split
 from mergecompose.studies.math_code.math_problems import expanded_arithmetic, math_split

@@ -52,17 +52,18 @@ import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from transformers import AutoTokenizer
 
+from mergecompose.analysis.overlap_run import OverlapRunConfig, run_overlap
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.predict import UNDECIDED
-from mergecompose.analysis.run import OverlapRunConfig, run_overlap
-from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.core.boundary import check_checkpoint
 from mergecompose.core.cli_common import check_free_disk
 from mergecompose.core.io import StrictModel, atomic_save_figure, atomic_write_text, markdown_table
 from mergecompose.core.precision import resolve_dtype, slow_dtype_problem
 from mergecompose.core.sandbox import sandbox_available
-from mergecompose.experiments.config import MergeGrid, check_merge_grids, fingerprint
+from mergecompose.experiments.compare_config import MergeGrid, check_merge_grids, fingerprint
 from mergecompose.experiments.lm_eval.catalog import check_task_files, check_task_names
-from mergecompose.experiments.lm_eval.config import (
+from mergecompose.experiments.lm_eval.lm_eval_compare import run_lm_eval_compare
+from mergecompose.experiments.lm_eval.lm_eval_config import (
     CompositionSettings,
     LmEvalCompareConfig,
     check_composition_name,
@@ -70,10 +71,9 @@ from mergecompose.experiments.lm_eval.config import (
     resolve_source,
 )
 from mergecompose.experiments.lm_eval.preflight import check_device, checkpoint_bytes
-from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
-from mergecompose.experiments.registry import CompareKind
+from mergecompose.experiments.plugins import CompareKind
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
-from mergecompose.experiments.systems import expert_name, merge_name
+from mergecompose.experiments.scored_systems import expert_name, merge_name
 from mergecompose.integrations.gguf.fetch import MODELS, cache_root, fetch_model, model_cache_dir
 from mergecompose.studies.math_code.chat_data import generation_text
 from mergecompose.studies.math_code.experts import TRAINING_RECORD, ExpertRecipe, cached_expert, train_expert

@@ -59,7 +59,7 @@ def system_failures(system, spec, eval_set, fmt, tokenizer, batch_size: int, mar
 
 def activity_examples(activity: torch.Tensor, owners: torch.Tensor, targets: list[str], examples: int) -> list[dict]:
     """The per-position activity of the first `examples` sequences, for
-    `mergecompose.analysis.report.plot_activity_heatmap`.
+    `mergecompose.analysis.overlap_report.plot_activity_heatmap`.
 
     Args:
         activity: `(k, B, W)` KL(p_i ‖ p_b) per expert and output step; row b's steps are its

@@ -10,7 +10,7 @@ so the composed target applies every skill in its own segment and copies the res
 
 Everything here is data: the skills, their markers and transforms are read from YAML
 (`SkillsTaskSpec`), and `num_experts` picks the first k skills of the list. Nothing here
-tokenizes or trains; `mergecompose.studies.skills.settings` (splits, training data) and the trainer build on
+tokenizes or trains; `mergecompose.studies.skills.skills_task_type` (splits, training data) and the trainer build on
 these functions.
 
 Region labels mark what each target character is, so that a wrong output can be placed:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mergecompose.analysis.measured_batch import MeasuredBatch, SequenceBatch
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.reducers import merge_reports
-from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.analysis.streaming import OverlapAccumulator
 
 

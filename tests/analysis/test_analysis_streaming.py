@@ -10,8 +10,8 @@ import torch
 
 from mergecompose.analysis import diagnostics as dx
 from mergecompose.analysis import measured_batch
-from mergecompose.analysis.report import json_text
-from mergecompose.analysis.settings import OverlapSettings
+from mergecompose.analysis.overlap_report import json_text
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.streaming import OverlapAccumulator
 from mergecompose.analysis.summaries import LogHistogram, PositionReservoir
 from mergecompose.composition import compose_logprobs

@@ -10,6 +10,8 @@ import pytest
 import yaml
 
 from mergecompose.analysis.data import char_tokenizer
+from mergecompose.analysis.overlap_run import read_overlap_yaml
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.predict import (
     UNDECIDED,
     VERDICTS,
@@ -20,8 +22,6 @@ from mergecompose.analysis.predict import (
     load_rule,
     possible_verdicts,
 )
-from mergecompose.analysis.run import read_overlap_yaml
-from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mergecompose.core.training
-import mergecompose.experiments.components
+import mergecompose.experiments.trained_models
 from mergecompose.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -82,7 +82,7 @@ def no_loading():
     patches.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(refuse))
     patches.setattr(peft.PeftModel, "from_pretrained", classmethod(refuse))
     patches.setattr(mergecompose.core.training, "train_model", refuse)
-    patches.setattr(mergecompose.experiments.components, "train_model", refuse)
+    patches.setattr(mergecompose.experiments.trained_models, "train_model", refuse)
     patches.setattr(mergekit.merge, "run_merge", refuse)
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))

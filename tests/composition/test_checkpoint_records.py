@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.records import shared_vocabulary, with_vocabulary
+from mergecompose.composition.vocabulary import shared_vocabulary, with_vocabulary
 from mergecompose.core.adapters import is_other_base, recorded_base
 from mergecompose.core.tiny import left_padded_batch, random_llama, random_lora_adapter, tiny_llama_config
 from mergecompose.merging import TaskVector

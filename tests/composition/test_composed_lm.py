@@ -10,7 +10,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM, Text
 from transformers.generation.streamers import BaseStreamer
 
 from mergecompose.composition import ComposedLM, DecodingConfig, compose_logprobs
-from mergecompose.composition.kernels.few_rows import PACKED
+from mergecompose.composition.kernels.few_row_linear import PACKED
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama, random_lora_adapter, tiny_llama_config
 
 
@@ -87,7 +87,7 @@ def test_from_adapters_keeps_one_copy_of_the_base(implementation, tiny_config, l
     assert composed.backend.implementation == implementation
     model = composed.backend.model
     base_weights = [p for n, p in model.named_parameters() if "lora_" not in n]
-    # The stacked path holds the linears' weights packed (kernels/few_rows.py): their parameters are empty meanwhile.
+    # The stacked path holds the linears' weights packed (few_row_linear.py): their parameters are empty meanwhile.
     held_packed = [m.__dict__[PACKED] for m in model.modules() if PACKED in m.__dict__]
     # Siblings (q/k/v, gate/up) share one packed tensor, which may hold the LoRA factors A too (extra rows).
     packs = list({id(p): p for p in (getattr(h, "group", h) for h in held_packed)}.values())
@@ -275,7 +275,7 @@ def test_nan_logits_raise(tiny_config):
 
 def test_lists_are_taken_as_tensors(composed_full):
     ids, mask = left_padded_batch([3, 5])
-    # Close, not equal: while the few-row kernel is still timing its two kernels (kernels/few_rows.py), two passes
+    # Close, not equal: while the few-row kernel is still timing its two kernels (kernels/few_row_linear.py), two passes
     # over the same rows may run different kernels, whose float sums differ in the last bits.
     torch.testing.assert_close(composed_full.logprobs(ids.tolist(), mask.tolist()), composed_full.logprobs(ids, mask))
     assert torch.equal(

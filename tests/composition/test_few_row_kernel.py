@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.kernels import few_rows
-from mergecompose.composition.kernels.few_rows import FewRowKernel
+from mergecompose.composition.kernels import few_row_linear
+from mergecompose.composition.kernels.few_row_linear import FewRowKernel
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -44,7 +44,7 @@ def test_the_smaller_best_time_wins_over_one_slow_trial():
 def lora_composition(tiny_config, lora_dirs):
     """The base's linears left dense (not packed), so that every pass uses the kernel chosen for it."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(few_rows, "can_pack", lambda weight: False)
+        patch.setattr(few_row_linear, "can_pack", lambda weight: False)
         return ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
 
 
@@ -59,7 +59,8 @@ def test_either_kernel_gives_the_same_logits_and_the_composition_chooses(lora_co
     step = ids[:, -1:]  # (B, 1): a pass over one token a row has the decoding step's row count
     stacked.few_rows = FewRowKernel(trials=1)  # two trial passes, one with each kernel, each timed
     logits = [backend.forward(step, torch.ones_like(step), torch.zeros_like(step)) for _ in range(2)]  # (k+1, B, 1, V)
-    assert {kernel: len(times) for kernel, times in stacked.few_rows.seconds[rows].items()} == {"x_wt": 1, "w_xt": 1}
+    seconds = stacked.few_rows.seconds[rows]
+    assert {kernel: len(times) for kernel, times in seconds.items()} == {"x_wt": 1, "w_xt": 1}
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 

@@ -1,4 +1,5 @@
-"""The shared base's linears with oneDNN-packed weights (kernels/few_rows.py): same results, same memory, given back.
+"""The shared base's linears with oneDNN-packed weights (kernels/few_row_linear.py): same results, same memory,
+given back.
 
 While a stacked LoRA composition is open, its base's decoder linears hold their weights in oneDNN's packed layout
 and their parameters hold empty tensors. These tests pin what a user of the base can rely on meanwhile and after."""
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.kernels import few_rows
-from mergecompose.composition.kernels.few_rows import PACKED, Packed, PackedSibling
+from mergecompose.composition.kernels import few_row_linear
+from mergecompose.composition.kernels.few_row_linear import PACKED, Packed, PackedSibling
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 from mergecompose.merging import TaskVector
 
@@ -35,7 +36,7 @@ def test_packed_composition_decodes_as_the_dense_one(tiny_config, lora_dirs, mon
     ids, mask = left_padded_batch([6, 4], seed=7)
     packed = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), _adapters(lora_dirs))
     with monkeypatch.context() as patch:
-        patch.setattr(few_rows, "can_pack", lambda weight: False)
+        patch.setattr(few_row_linear, "can_pack", lambda weight: False)
         dense = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), _adapters(lora_dirs))
     assert _packed_modules(packed.backend.model) and not _packed_modules(dense.backend.model)
     # 2 layers x 7 projections; the output layer stays dense (its shape is the vocabulary).
@@ -107,11 +108,11 @@ def test_a_weight_held_elsewhere_keeps_its_bytes(tiny_config, lora_dirs):
 def test_pages_are_released_only_where_nothing_else_holds_them():
     held = torch.ones(1 << 20)  # 4 MiB: many whole pages
     alias = held.view(-1)
-    few_rows._release_pages(held)
+    few_row_linear._release_pages(held)
     assert bool((alias == 1).all())  # shared: left alone
     del alias
     alone = torch.ones(1 << 20)
-    few_rows._release_pages(alone)
+    few_row_linear._release_pages(alone)
     # Anonymous memory comes back as zeros: the pages were given back (nothing reads them in real use).
     assert float(alone.sum()) < alone.numel()
 

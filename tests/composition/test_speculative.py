@@ -41,12 +41,12 @@ from mergecompose.composition.speculative.decoding import attention_bias
 from mergecompose.composition.speculative.draft_length import DraftLength, expected_tokens
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 from mergecompose.core.training import train_model
-from mergecompose.experiments.config import ModelSettings, TrainingSettings
+from mergecompose.experiments.compare_config import ModelSettings, TrainingSettings
 from mergecompose.experiments.formats import SequenceFormat
 from mergecompose.experiments.models import build_model
 from mergecompose.experiments.tokenizer import build_tokenizer, encode_strings
 from mergecompose.merging import TaskVector, merge
-from mergecompose.studies.letters.settings import letter_training_strings
+from mergecompose.studies.letters.letters_task_type import letter_training_strings
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.kernels import few_rows
+from mergecompose.composition.kernels import few_row_linear
 from mergecompose.core.tiny import random_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -29,7 +29,7 @@ def composition(tiny_config, lora_dirs):
 def dense_composition(tiny_config, lora_dirs, monkeypatch):
     """The base's weights left dense (as where oneDNN cannot pack them): the A products are computed by `mm`."""
     with monkeypatch.context() as patch:
-        patch.setattr(few_rows, "can_pack", lambda weight: False)
+        patch.setattr(few_row_linear, "can_pack", lambda weight: False)
         lm = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
     yield lm
     lm.close()
@@ -68,7 +68,7 @@ def test_siblings_share_one_product_a_pass(dense_composition):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 def test_packed_weights_compute_the_a_products_with_the_base(composition, dense_composition):
-    """Where the base is packed, x A comes out of the base's product (kernels/few_rows.py, extra rows): no `mm` for it,
+    """Where the base is packed, x A comes out of the base's product (few_row_linear.py, extra rows): no `mm` for it,
     and the same logits as the dense composition's."""
     assert _step_products(composition) == [0] * len(composition.backend.stacked._groups)
     ids, mask = torch.tensor([[4, 5, 6, 7], [0, 8, 9, 10]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])

@@ -29,8 +29,8 @@ from mergecompose.core.io import LeftoverWarning, remove_leftovers
 from mergecompose.core.locks import RUN_LOCK_NAME
 from mergecompose.core.tiny import random_llama, task_arithmetic_mergekit_config, tiny_llama_config
 from mergecompose.experiments.compare import run_compare
-from mergecompose.experiments.components import entry_problem
-from mergecompose.experiments.config import load_config
+from mergecompose.experiments.compare_config import load_config
+from mergecompose.experiments.trained_models import entry_problem
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # A compare scaled down to seconds of work: 3 letter skills with LoRA, two merge methods.

@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from mergecompose.cli import main
-from mergecompose.experiments import cli as experiments_cli
 from mergecompose.experiments import compare as compare_module
+from mergecompose.experiments import compare_command as experiments_cli
 from mergecompose.experiments.compare import run_compare
-from mergecompose.experiments.components import prepare_components
-from mergecompose.experiments.config import CompareConfig, load_config
+from mergecompose.experiments.compare_config import CompareConfig, load_config
+from mergecompose.experiments.trained_models import prepare_components
 
 SMALL = {
     "name": "small",

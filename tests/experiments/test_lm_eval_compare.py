@@ -18,16 +18,16 @@ from transformers import AutoModelForCausalLM
 
 from mergecompose.cli import main
 from mergecompose.experiments.compare import run_compare
-from mergecompose.experiments.config import CompareConfig, load_config
+from mergecompose.experiments.compare_config import CompareConfig, load_config
 from mergecompose.experiments.evaluate import wilson_interval
 from mergecompose.experiments.lm_eval import LmEvalCompareConfig
+from mergecompose.experiments.lm_eval.lm_eval_compare import run_lm_eval_compare
+from mergecompose.experiments.lm_eval.lm_eval_systems import build_merge, plan_merge, slug
 from mergecompose.experiments.lm_eval.native_run import prompt_text, write_generate_task
-from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
-from mergecompose.experiments.lm_eval.systems import build_merge, plan_merge, slug
-from mergecompose.experiments.registry import compare_kinds, register_compare_kind
+from mergecompose.experiments.plugins import compare_kinds, register_compare_kind
 from mergecompose.experiments.tokenizer import build_tokenizer
 from mergecompose.merging import TaskVector
-from mergecompose.studies.letters.settings import LettersTaskSettings
+from mergecompose.studies.letters.letters_task_type import LettersTaskSettings
 
 NATIVE = {
     "name": "small_contiguous",
@@ -423,13 +423,13 @@ def test_a_compare_kind_is_registered_once():
         register_compare_kind("letters", LmEvalCompareConfig, lambda *args, **kwargs: {})
 
 
-def test_the_former_letters_run_key_is_read_as_native_run_with_a_deprecation_warning(native_run, tmp_path):
+def test_the_former_letters_run_key_is_read_as_native_run_with_a_warning(native_run, tmp_path):
     native_dir, _ = native_run
     data = lm_eval_data(native_dir)
     (tmp_path / "new.yaml").write_text(yaml.safe_dump(data))
     data["letters_run"] = data.pop("native_run")
     (tmp_path / "old.yaml").write_text(yaml.safe_dump(data))
-    with pytest.warns(DeprecationWarning, match="`letters_run` is now `native_run`"):
+    with pytest.warns(FutureWarning, match="`letters_run` is now `native_run`"):
         old = load_config(tmp_path / "old.yaml")
     assert old == load_config(tmp_path / "new.yaml")
     assert old.native_run.folder == str(native_dir)

@@ -17,14 +17,14 @@ from lm_eval.tasks import TaskManager
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.cli import main
 from mergecompose.core.tiny import random_llama, tiny_llama_config
-from mergecompose.experiments.config import load_config
+from mergecompose.experiments.compare_config import load_config
 from mergecompose.experiments.lm_eval import LmEvalCompareConfig
-from mergecompose.experiments.lm_eval.cells import CellStore, EvaluationSettings, TaskRun
-from mergecompose.experiments.lm_eval.config import resolve_source
+from mergecompose.experiments.lm_eval.cells import CellSettings, CellStore, TaskRun
+from mergecompose.experiments.lm_eval.lm_eval_compare import run_lm_eval_compare
+from mergecompose.experiments.lm_eval.lm_eval_config import resolve_source
 from mergecompose.experiments.lm_eval.native_run import write_choice_task, write_generate_task
 from mergecompose.experiments.lm_eval.preflight import check_before_work, check_device
-from mergecompose.experiments.lm_eval.run import run_lm_eval_compare
-from mergecompose.experiments.systems import System
+from mergecompose.experiments.scored_systems import System
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -232,9 +232,7 @@ def test_a_task_whose_split_is_missing_is_named_before_the_run_and_in_a_cell(pro
     task = {"type": "lm_eval", "names": ["bad_split"], "include_path": str(tasks)}
     with pytest.raises(ValueError, match=r"task 'bad_split' does not load in lm-eval: KeyError: 'validation'"):
         check_before_work(LmEvalCompareConfig.model_validate(_data(project, task=task)))
-    store = CellStore(
-        tmp_path / "run", EvaluationSettings(None, None, False, "-"), TaskManager(include_path=str(tasks))
-    )
+    store = CellStore(tmp_path / "run", CellSettings(None, None, False, "-"), TaskManager(include_path=str(tasks)))
     model = HFLM(pretrained=str(project / "models" / "base"), device="cpu")
     with pytest.raises(
         ValueError, match=r"lm-eval failed scoring system 'base' on task 'bad_split': KeyError: 'validation'"

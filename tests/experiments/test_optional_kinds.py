@@ -8,8 +8,8 @@ from importlib.metadata import EntryPoint, entry_points
 
 import pytest
 
-from mergecompose.experiments import registry
-from mergecompose.experiments.config import load_config
+from mergecompose.experiments import plugins
+from mergecompose.experiments.compare_config import load_config
 
 
 def test_a_kind_whose_extra_is_missing_names_the_extra(tmp_path, monkeypatch):
@@ -18,16 +18,16 @@ def test_a_kind_whose_extra_is_missing_names_the_extra(tmp_path, monkeypatch):
 
     def without_lm_eval(group: str) -> list[EntryPoint]:
         found = list(entry_points(group=group))
-        if group != registry.COMPARE_KIND_GROUP:
+        if group != plugins.COMPARE_KIND_GROUP:
             return found
         # The lm_eval kind as it loads where its extra is missing: its module's import fails.
         missing = EntryPoint("lm_eval", "mergecompose_tests_not_installed.run:LM_EVAL_KIND", group)
         return [missing if entry.name == "lm_eval" else entry for entry in found]
 
-    monkeypatch.setattr(registry, "_REGISTRY", registry._Registry())
-    monkeypatch.setattr(registry, "entry_points", without_lm_eval)
+    monkeypatch.setattr(plugins, "_REGISTRY", plugins._Registry())
+    monkeypatch.setattr(plugins, "entry_points", without_lm_eval)
     with pytest.raises(
         ValueError, match=r'`task.type: lm_eval` needs the lm-eval extra.*pip install "mergecompose\[lm-eval\]"'
     ):
         load_config(config)
-    assert registry.missing_extra("lm_eval") == "lm-eval" and "lm_eval" not in registry.compare_kinds()
+    assert plugins.missing_extra("lm_eval") == "lm-eval" and "lm_eval" not in plugins.compare_kinds()

@@ -15,10 +15,10 @@ import json
 import pytest
 import torch
 
-from mergecompose.experiments.components import derived_seed, new_adapter, sequence_format
-from mergecompose.experiments.config import load_config
+from mergecompose.experiments.compare_config import load_config
 from mergecompose.experiments.models import build_model, lora_config
 from mergecompose.experiments.tokenizer import build_tokenizer
+from mergecompose.experiments.trained_models import derived_seed, new_adapter, sequence_format
 
 PINNED = {
     "configs/letters.yaml": {

@@ -10,7 +10,7 @@ import torch
 
 from mergecompose.composition import ComposedLM, compose_logprobs
 from mergecompose.core.training import train_model
-from mergecompose.experiments.config import ModelSettings, TrainingSettings
+from mergecompose.experiments.compare_config import ModelSettings, TrainingSettings
 from mergecompose.experiments.evaluate import (
     EvalSet,
     Scored,
@@ -23,9 +23,9 @@ from mergecompose.experiments.evaluate import (
 )
 from mergecompose.experiments.formats import IGNORE_INDEX, SequenceFormat
 from mergecompose.experiments.models import build_model
-from mergecompose.experiments.systems import ComposedModel, SingleModel
+from mergecompose.experiments.scored_systems import ComposedModel, SingleModel
 from mergecompose.experiments.tokenizer import build_tokenizer
-from mergecompose.studies.letters.settings import letter_training_strings
+from mergecompose.studies.letters.letters_task_type import letter_training_strings
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
 X = IGNORE_INDEX
@@ -160,7 +160,7 @@ def test_gpt2_lora_experts_compose_on_one_base(tmp_path, implementation):
     """GPT-2's Conv1D LoRA adapters (the paper-shaped models) on one shared base equal merged copies."""
     from peft import PeftModel, get_peft_model
 
-    from mergecompose.experiments.config import LoraSettings
+    from mergecompose.experiments.compare_config import LoraSettings
     from mergecompose.experiments.models import lora_config
 
     tokenizer = build_tokenizer(ALPHABET)

@@ -9,12 +9,12 @@ import torch
 from peft import get_peft_model
 
 from mergecompose.core.training import lr_factor, train_model
-from mergecompose.experiments.config import LoraSettings, ModelSettings, TrainingSettings
+from mergecompose.experiments.compare_config import LoraSettings, ModelSettings, TrainingSettings
 from mergecompose.experiments.formats import IGNORE_INDEX, SequenceFormat
 from mergecompose.experiments.models import build_model, lora_config
-from mergecompose.experiments.strings import is_held_out
 from mergecompose.experiments.tokenizer import build_tokenizer, decode_ids
-from mergecompose.studies.letters.settings import letter_training_strings
+from mergecompose.experiments.training_strings import is_held_out
+from mergecompose.studies.letters.letters_task_type import letter_training_strings
 
 ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZ "
 TINY = ModelSettings(hidden_size=32, num_layers=2, num_heads=2, max_position_embeddings=64)

@@ -8,14 +8,14 @@ import torch
 
 from mergecompose.merging import MERGEKIT_MODE, METHODS, TaskVector, merge, validate_merge_params
 from mergecompose.merging.checkpoints import CheckpointMergeConfig, load_merge_config
-from mergecompose.merging.registry import mergekit_methods
-from mergecompose.merging.settings import (
+from mergecompose.merging.method_settings import (
     DareLinearSettings,
     MagnitudePruneSettings,
     SignConsensus,
     TaskArithmeticSettings,
     TiesSettings,
 )
+from mergecompose.merging.methods import mergekit_methods
 
 BASE = {"w": torch.zeros(2)}
 TAU = TaskVector({"w": torch.tensor([1.0, -2.0])})

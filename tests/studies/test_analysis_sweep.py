@@ -9,7 +9,7 @@ import yaml
 
 from mergecompose.cli import main
 from mergecompose.core.io import load_yaml_config
-from mergecompose.studies.letters.sweep import SweepConfig, allowed_outputs, joint_accuracy
+from mergecompose.studies.letters.overlap_sweep import SweepConfig, allowed_outputs, joint_accuracy
 
 TINY_COMPARE = {
     "name": "tiny",
@@ -87,7 +87,7 @@ def test_tiny_sweep_end_to_end(tmp_path, capsys):
 
 
 def test_conflict_choices_count_the_letters_written_on_conflicts():
-    from mergecompose.studies.letters.sweep import conflict_choices
+    from mergecompose.studies.letters.overlap_sweep import conflict_choices
 
     counts = conflict_choices(["BXC", "", "AXA"], ["AXA", "AX", "AXA"], {"A": "B"}, {"A": "C"})
     assert counts == {"A": 2, "B": 1, "C": 1, "<none>": 1}

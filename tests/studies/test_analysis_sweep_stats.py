@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mergecompose.studies.letters.sweep_stats import plot_overlap_against_error, spearman, two_by_two
+from mergecompose.studies.letters.overlap_sweep_stats import plot_overlap_against_error, spearman, two_by_two
 
 
 def test_spearman_golden_and_edge_cases():

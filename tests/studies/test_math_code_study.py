@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.analysis.predict import UNDECIDED, VERDICTS
 from mergecompose.core.sandbox import sandbox_available
-from mergecompose.experiments.config import load_config
+from mergecompose.experiments.compare_config import load_config
 from mergecompose.integrations.lm_eval.humaneval import TASK_NAMES as HUMANEVAL_TASKS
 from mergecompose.studies.math_code import code_split, score_code
 from mergecompose.studies.math_code import experts as experts_module

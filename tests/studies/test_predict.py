@@ -29,10 +29,10 @@ from mergecompose.analysis.predict import (
 from mergecompose.cli import main
 from mergecompose.composition import ComposedLM
 from mergecompose.composition.rule import compose_logprobs
-from mergecompose.experiments.components import prepare_components
+from mergecompose.experiments.trained_models import prepare_components
 from mergecompose.studies.predict import PredictConfig
-from mergecompose.studies.predict.config import SettingSpec
-from mergecompose.studies.predict.run import measure_setting
+from mergecompose.studies.predict.predict_config import SettingSpec
+from mergecompose.studies.predict.predict_sweep import measure_setting
 from mergecompose.studies.predict.stats import (
     correlation_with_interval,
     fit_threshold,

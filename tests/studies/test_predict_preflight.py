@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mergecompose.core.io import load_yaml_config
-from mergecompose.studies.letters.sweep import SweepConfig, preflight_overlap_sweep
+from mergecompose.studies.letters.overlap_sweep import SweepConfig, preflight_overlap_sweep
 from mergecompose.studies.predict import PredictConfig, preflight_predict
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from mergecompose.experiments.compare import run_compare
-from mergecompose.experiments.components import prepare_components
-from mergecompose.experiments.config import CompareConfig, load_config
-from mergecompose.studies.skills.sweep import load_sweep_configs, run_skills_sweep, summarize, summary_markdown
+from mergecompose.experiments.compare_config import CompareConfig, load_config
+from mergecompose.experiments.trained_models import prepare_components
+from mergecompose.studies.skills.skills_sweep import load_sweep_configs, run_skills_sweep, summarize, summary_markdown
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "skills_k3_test.yaml"
 REMEDIES = {"compose+gate", "compose+plausible", "compose+eos_base", "compose+eos_active", "compose+all"}

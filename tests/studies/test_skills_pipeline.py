@@ -8,11 +8,11 @@ import torch
 from mergecompose.composition import ActivityGate, PlausibilityFilter, TerminationRule
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core.tiny import random_llama, tiny_llama_config
-from mergecompose.experiments.config import EvaluationSettings, TrainingSettings
+from mergecompose.experiments.compare_config import EvaluationSettings, TrainingSettings
 from mergecompose.experiments.formats import IGNORE_INDEX, SequenceFormat
-from mergecompose.experiments.strings import is_held_out
 from mergecompose.experiments.tokenizer import build_tokenizer, decode_ids
-from mergecompose.studies.skills.settings import SkillsTaskSettings, noisy_expert
+from mergecompose.experiments.training_strings import is_held_out
+from mergecompose.studies.skills.skills_task_type import SkillsTaskSettings, noisy_expert
 from mergecompose.studies.skills.spec import find_segments, joint_target, rewrite
 
 SKILLS = [

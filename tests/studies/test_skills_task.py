@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mergecompose.studies.skills.settings import split_input_at
+from mergecompose.studies.skills.skills_task_type import split_input_at
 from mergecompose.studies.skills.spec import (
     BACKGROUND,
     BOUNDARY,

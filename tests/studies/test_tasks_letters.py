@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from mergecompose.experiments.config import EvaluationSettings
-from mergecompose.experiments.strings import HELD_OUT_MODULUS, is_held_out
+from mergecompose.experiments.compare_config import EvaluationSettings
 from mergecompose.experiments.tokenizer import build_tokenizer, decode_ids, encode_strings
-from mergecompose.studies.letters.settings import build_eval_data
+from mergecompose.experiments.training_strings import HELD_OUT_MODULUS, is_held_out
+from mergecompose.studies.letters.letters_task_type import build_eval_data
 from mergecompose.studies.letters.task import (
     LetterTask,
     Skill,

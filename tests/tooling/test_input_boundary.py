@@ -65,7 +65,7 @@ from mergecompose.core.boundary import InputFileError
 from mergecompose.core.tiny import random_llama, tiny_llama_config
 from mergecompose.experiments import load_config
 from mergecompose.integrations.gguf import convert
-from mergecompose.integrations.lm_eval.model import ComposedHFLM
+from mergecompose.integrations.lm_eval.harness_model import ComposedHFLM
 from mergecompose.integrations.vllm.folder import build_vllm_model
 from mergecompose.merging import (
     CheckpointMergeConfig,
@@ -250,7 +250,7 @@ RECIPES: dict[str, Recipe] = {
     "mergecompose.integrations.vllm.folder.build_vllm_model": Recipe(
         "expert", WEIGHTS, lambda p: lambda: build_vllm_model(_out(p), p.base, [p.expert])
     ),
-    "mergecompose.integrations.lm_eval.model.ComposedHFLM": Recipe(
+    "mergecompose.integrations.lm_eval.harness_model.ComposedHFLM": Recipe(
         "expert", WEIGHTS, lambda p: lambda: ComposedHFLM(base=p.base, experts=p.expert)
     ),
     "mergecompose.core.adapters.read_adapter": Recipe(
@@ -380,7 +380,7 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "their registry sha256",
     "mergecompose.integrations.gguf.fetch.fetched_problem": "reads the record of a folder this code wrote",
     "mergecompose.integrations.gguf.fetch.join_gguf": "joins wheels checked by their sha256 before",
-    "mergecompose.integrations.lm_eval.model.ComposedModelArgs": "the checked model_args; ComposedHFLM loads them",
+    "mergecompose.integrations.lm_eval.harness_model.ComposedModelArgs": "the checked model_args; ComposedHFLM loads",
     "mergecompose.merging.TaskVector.apply_to": _IN_MEMORY,
     "mergecompose.merging.merge": _IN_MEMORY,
     "mergecompose.merging.TaskVector.from_state_dicts": _IN_MEMORY,
@@ -393,7 +393,7 @@ COVERED_BY: dict[str, tuple[str, str]] = {
         "reads what a base folder records (config.json, conversion.json) after its callers checked the folder",
     ),
     "cli:lm-eval": (
-        "mergecompose.integrations.lm_eval.model.ComposedHFLM",
+        "mergecompose.integrations.lm_eval.harness_model.ComposedHFLM",
         "its model_args are loaded by ComposedHFLM; lm-eval's own CLI reads its task catalogue first (15 s a run)",
     ),
 }

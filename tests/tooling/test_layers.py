@@ -77,7 +77,7 @@ def test_the_pipeline_imports_no_study_and_the_check_can_fail():
     graph = grimp.build_graph("mergecompose")
     assert _study_imports(graph, "mergecompose.experiments", "mergecompose.studies") == []
     # The same check, turned around, finds the studies that build on the pipeline.
-    assert "mergecompose.studies.letters.sweep" in _study_imports(
+    assert "mergecompose.studies.letters.overlap_sweep" in _study_imports(
         graph, "mergecompose.studies", "mergecompose.experiments"
     )
 
@@ -101,7 +101,7 @@ def test_a_lower_layer_loads_no_optional_extra(layer):
 
 
 def test_the_optional_extra_check_can_fail():
-    code = "import sys, mergecompose.integrations.lm_eval.model; print('lm_eval' in sys.modules)"
+    code = "import sys, mergecompose.integrations.lm_eval.harness_model; print('lm_eval' in sys.modules)"
     result = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd="/")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "True"

@@ -10,7 +10,7 @@ import torch
 from bad_inputs import Api, Case, Cli
 from mergecompose.analysis import OverlapAccumulator, measure_overlap, rollout_batches
 from mergecompose.analysis.data import Record, char_tokenizer, encode_records, read_jsonl
-from mergecompose.analysis.report import json_text
+from mergecompose.analysis.overlap_report import json_text
 from mergecompose.composition import ComposedLM
 
 CHARACTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ >"

@@ -72,7 +72,7 @@ def termination_eos_beyond_vocab(env):
 
 
 def lm_eval_chunk_not_a_number(env):
-    from mergecompose.integrations.lm_eval.model import ComposedHFLM
+    from mergecompose.integrations.lm_eval.harness_model import ComposedHFLM
 
     return Api(
         lambda: ComposedHFLM(str(env.checkpoints / "base"), str(env.checkpoints / "expert_0"), chunk_megabytes="lots")

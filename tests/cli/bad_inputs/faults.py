@@ -18,7 +18,7 @@ from mergecompose.core.io import LeftoverWarning
 from mergecompose.core.locks import RUN_LOCK_NAME
 from mergecompose.core.tiny import task_arithmetic_mergekit_config
 from mergecompose.experiments.compare import run_compare
-from mergecompose.experiments.config import CompareConfig
+from mergecompose.experiments.compare_config import CompareConfig
 from mergecompose.merging import merge_checkpoints
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"

@@ -9,7 +9,7 @@ import torch
 import yaml
 from lm_eval.api.registry import get_model
 
-import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers `composed`)
+import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers `composed`)
 from bad_inputs import Api, Case, Cli
 from mergecompose.core.tiny import random_llama, tiny_llama_config
 from mergecompose.experiments.lm_eval.native_run import write_generate_task

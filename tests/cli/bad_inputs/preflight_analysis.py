@@ -9,8 +9,8 @@ import torch
 import yaml
 
 from bad_inputs import Api, Case, Cli
-from mergecompose.analysis.run import OverlapRunConfig, preflight_overlap
-from mergecompose.studies.letters.sweep import SweepConfig, preflight_overlap_sweep
+from mergecompose.analysis.overlap_run import OverlapRunConfig, preflight_overlap
+from mergecompose.studies.letters.overlap_sweep import SweepConfig, preflight_overlap_sweep
 from mergecompose.studies.predict import PredictConfig, preflight_predict
 
 # A rule that reads two measured diagnostics; each row spoils one part.

@@ -13,7 +13,7 @@ import pytest
 from lm_eval.tasks import TaskManager
 from transformers import AutoTokenizer
 
-import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers `composed`)
+import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers `composed`)
 from mergecompose.core.sandbox import sandbox_available
 from mergecompose.integrations.lm_eval.humaneval import METRICS, TASK_NAMES, write_humaneval_tasks
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from lm_eval.tasks import TaskManager
 
-import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers `composed`)
+import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers `composed`)
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.cli import main
 from mergecompose.composition import ComposedLM, compose_logprobs

@@ -11,9 +11,9 @@ import pytest
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
-import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers `composed`)
+import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers `composed`)
 from mergecompose.analysis.data import char_tokenizer
-from mergecompose.integrations.lm_eval.model import MODEL_ARGS, ComposedModelArgs
+from mergecompose.integrations.lm_eval.harness_model import MODEL_ARGS, ComposedModelArgs
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -26,7 +26,7 @@ from lm_eval.tasks import TaskManager
 from transformers import AutoTokenizer
 from vllm_engines import stop_engine
 
-import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers `composed`)
+import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers `composed`)
 from mergecompose.composition import ComposedLM
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

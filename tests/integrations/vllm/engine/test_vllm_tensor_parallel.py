@@ -3,7 +3,7 @@
 The CPU backend binds each worker's threads to a NUMA node, and this machine has one; with the threads bound by
 hand (`VLLM_CPU_OMP_THREADS_BIND="0|1"`, one core per worker) both workers start. Without it vLLM refuses with
 "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers". LoRA experts stay at tensor_parallel_size 1
-(the model refuses them, integrations/vllm/model.py).
+(the model refuses them, integrations/vllm/composite_model.py).
 """
 
 from __future__ import annotations

@@ -2,16 +2,16 @@
 `pyproject.toml`. The pipeline imports none of them; each is imported when a config first asks for its name.
 
     [project.entry-points."mergecompose.task_types"]       # a config's `task:` block: name -> settings model
-    letters = "mergecompose.studies.letters.settings:LettersTaskSettings"
+    letters = "mergecompose.studies.letters.letters_task_type:LettersTaskSettings"
 
     [project.entry-points."mergecompose.compare_kinds"]    # a comparison with its own config: name -> CompareKind
-    lm_eval = "mergecompose.experiments.lm_eval.run:LM_EVAL_KIND"
+    lm_eval = "mergecompose.experiments.lm_eval.lm_eval_compare:LM_EVAL_KIND"
 
 A task type is the pydantic model of a config's `task:` block. The generic pipeline
 (`mergecompose.experiments.compare`) asks it for everything task-specific, through the `TaskType` protocol below;
 nothing outside a task type's own folder branches on its name. A compare kind (`type: lm_eval`: given
 checkpoints, scored by lm-evaluation-harness) is a different job: its own top-level config model, its pre-flight
-and the function that runs it (`CompareKind`). `mergecompose.experiments.config.load_config` validates a config as
+and the function that runs it (`CompareKind`). `compare_config.load_config` validates a config as
 one union of these models, keyed on `task.type`.
 
 A duplicate name is an error; an unknown name lists the valid ones. `register_task_type` and

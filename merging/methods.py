@@ -12,7 +12,7 @@
 
 The normalize column gives the default under the papers' definitions and under mergekit's, which are
 those of mergekit's registry (its dare_ties does not normalise). Each entry holds the pydantic model
-of its parameters (`METHODS["ties"].settings`, see `mergecompose.merging.settings`) and says whether
+of its parameters (`METHODS["ties"].settings`, see `mergecompose.merging.method_settings`) and says whether
 mergekit runs it under the same name (all but magnitude_prune), which is what `merge_checkpoints` offers.
 """
 
@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from mergecompose.merging.generalized_task_arithmetic import GeneralizedTaskArithmetic
 from mergecompose.merging.linear import Linear
-from mergecompose.merging.settings import (
+from mergecompose.merging.method_settings import (
     BreadcrumbsSettings,
     DareLinearSettings,
     DareTiesSettings,

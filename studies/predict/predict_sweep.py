@@ -29,24 +29,24 @@ from mergecompose.analysis.measure import rollout_batches
 from mergecompose.analysis.predict import unlabelled_diagnostics
 from mergecompose.composition import ComposedLM
 from mergecompose.core.adapters import merged_adapter_model
-from mergecompose.experiments.components import Components, prepare_components
-from mergecompose.experiments.config import CompareConfig, fingerprint
+from mergecompose.experiments.compare_config import CompareConfig, fingerprint
 from mergecompose.experiments.evaluate import JOINT, score
 from mergecompose.experiments.merge_selection import best_record, merged_model, search_merges
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder, Stopwatch
-from mergecompose.experiments.systems import ComposedModel, ScoredModel, SingleModel, System, merge_name
+from mergecompose.experiments.scored_systems import ComposedModel, ScoredModel, SingleModel, System, merge_name
+from mergecompose.experiments.trained_models import Components, prepare_components
 from mergecompose.merging import TaskVector
+from mergecompose.studies.letters.letters_task_type import LettersTaskSettings
 from mergecompose.studies.letters.overlap import pair_strings, prompt_batches
-from mergecompose.studies.letters.settings import LettersTaskSettings
-from mergecompose.studies.letters.sweep import greedy_pair_outputs, joint_accuracy
-from mergecompose.studies.predict.config import (
+from mergecompose.studies.letters.overlap_sweep import greedy_pair_outputs, joint_accuracy
+from mergecompose.studies.predict.predict_config import (
     SWEEP_VERSION,
     FamilySpec,
     PredictConfig,
     SettingSpec,
     preflight_predict,
 )
-from mergecompose.studies.predict.report import write_outputs
+from mergecompose.studies.predict.predict_report import write_outputs
 from mergecompose.studies.predict.stats import analyse
 
 CACHED = ("checkpoints", "settings")  # kept between runs: trained components, measured settings

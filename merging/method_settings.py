@@ -11,7 +11,7 @@ sign consensus, DARE-TIES is DARE plus sign consensus:
 Validating fills in the defaults of the definition the method follows, so a model is the resolved
 record of one merge: what `merge(..., out_dir=...)` writes next to its output, and what a YAML
 file can hold. None for a parameter means the method's default. Each registry entry holds its
-model (`METHODS["ties"].settings`); `mergecompose.merging.registry.validate_merge_params` validates by name.
+model (`METHODS["ties"].settings`); `mergecompose.merging.methods.validate_merge_params` validates by name.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The systems of a `type: lm_eval` compare as lm-eval models, and the merges they need, built on disk and cached.
 
-Each is a `mergecompose.experiments.systems.System` whose `load` is an `LmEvalModel` (lm-eval's model name and
+Each is a `mergecompose.experiments.scored_systems.System` whose `load` is an `LmEvalModel` (lm-eval's model name and
 its `model_args`) and whose `identity` keys its cached cells:
 
     base, expert:<name>   lm-eval's `hf` model (a peft adapter: `hf` with `peft=`, on the base)
-    <composition>         our `composed` model (`mergecompose.integrations.lm_eval.model`)
+    <composition>         our `composed` model (`mergecompose.integrations.lm_eval.harness_model`)
     merge:<method>        `hf` on a merge in the run's cache: mergekit's (`mergecompose.merging.merge_checkpoints`),
                           or with `merge_definitions: paper` the papers' (`mergecompose.merging.merge`, as
                           `mergecompose compare` does)
@@ -28,13 +28,13 @@ import lm_eval.api.registry
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers lm-eval's `composed` model)
+import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers lm-eval's `composed` model)
 from mergecompose.composition.loading import is_adapter_source
 from mergecompose.core.boundary import check_checkpoint
 from mergecompose.core.io import atomic_output_dir, manifest_problem, write_manifest
-from mergecompose.experiments.config import fingerprint
-from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig
-from mergecompose.experiments.systems import BASE, System, expert_name
+from mergecompose.experiments.compare_config import fingerprint
+from mergecompose.experiments.lm_eval.lm_eval_config import LmEvalCompareConfig
+from mergecompose.experiments.scored_systems import BASE, System, expert_name
 from mergecompose.merging import TaskVector, merge, merge_checkpoints
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from mergecompose.core.io import MANIFEST_NAME, atomic_output_dir, manifest_problem, safetensors_problem, write_manifest
 from mergecompose.core.locks import entry_lock
 from mergecompose.core.training import train_model
-from mergecompose.experiments.config import CompareConfig, TrainingSettings, fingerprint
+from mergecompose.experiments.compare_config import CompareConfig, TrainingSettings, fingerprint
 from mergecompose.experiments.formats import SequenceFormat
 from mergecompose.experiments.models import build_model, lora_config
 from mergecompose.experiments.tokenizer import build_tokenizer

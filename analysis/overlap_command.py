@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mergecompose.analysis.report import recommendation_text, terminal_table
-from mergecompose.analysis.run import OverlapRunConfig, preflight_overlap, read_overlap_yaml, run_overlap
+from mergecompose.analysis.overlap_report import recommendation_text, terminal_table
+from mergecompose.analysis.overlap_run import OverlapRunConfig, preflight_overlap, read_overlap_yaml, run_overlap
 from mergecompose.core.cli_common import add_common_flags, declare_paths
 
 
@@ -14,7 +14,9 @@ def add_commands(subparsers) -> None:
         description="Flags override the values of --config. Writes overlap.json, overlap.md, config.yaml, "
         "activity_heatmap.png and (with --merged) gap_histogram.png into --out.",
     )
-    overlap.add_argument("--config", help="YAML file with the fields of mergecompose.analysis.run.OverlapRunConfig")
+    overlap.add_argument(
+        "--config", help="YAML file with the fields of mergecompose.analysis.overlap_run.OverlapRunConfig"
+    )
     overlap.add_argument("--base", help="base checkpoint folder or hub id")
     overlap.add_argument("--expert", action="append", dest="experts", help="expert checkpoint or adapter (repeat)")
     overlap.add_argument("--merged", help="the task-arithmetic merge θ_b + λΣτ_i (checkpoint or adapter)")

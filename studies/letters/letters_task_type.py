@@ -11,13 +11,13 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mergecompose.experiments.evaluate import EvalData, EvalSet
-from mergecompose.experiments.strings import TrainingStrings, is_held_out
+from mergecompose.experiments.training_strings import TrainingStrings, is_held_out
 from mergecompose.studies.letters.task import JOINT, LetterTask, apply_replacements, sample_strings
 
 
 class LettersTaskSettings(BaseModel):
     """The letter-replacement task: skills as data (name -> {source: replacement}); see
-    `mergecompose.experiments.registry.TaskType`."""
+    `mergecompose.experiments.plugins.TaskType`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

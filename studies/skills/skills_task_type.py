@@ -33,9 +33,9 @@ from typing import Literal
 import torch
 from pydantic import ConfigDict, Field
 
-from mergecompose.analysis.report import plot_activity_heatmap
+from mergecompose.analysis.overlap_report import plot_activity_heatmap
 from mergecompose.experiments.evaluate import JOINT, EvalData, EvalSet
-from mergecompose.experiments.strings import TrainingStrings, distinct_strings, is_held_out
+from mergecompose.experiments.training_strings import TrainingStrings, distinct_strings, is_held_out
 from mergecompose.merging import TaskVector
 from mergecompose.studies.skills.analysis import failure_section
 from mergecompose.studies.skills.spec import (
@@ -204,7 +204,7 @@ def split_input_at(rng: random.Random, spec: SkillsTaskSpec, split: str, length:
 def distinct_held_out(
     draw: Callable[[], str], count: int, exclude: set[str], what: str, max_draws: int = 1_000_000
 ) -> list[str]:
-    """`count` distinct strings from `draw` that are held out (`mergecompose.experiments.strings.is_held_out`) and
+    """`count` distinct strings from `draw` that are held out (`experiments.training_strings.is_held_out`) and
     not in `exclude`."""
     return distinct_strings(lambda: [draw()], count, is_held_out, exclude, what, max_draws)
 

@@ -20,7 +20,7 @@ from transformers import AutoConfig, PreTrainedModel
 from mergecompose.core import sources
 from mergecompose.core.adapters import saved_tensor_mismatch
 from mergecompose.core.boundary import ADAPTER_SAFETENSORS, check_safetensors_header
-from mergecompose.merging.io import SafetensorsCheckpoint
+from mergecompose.merging.lazy_tensors import SafetensorsCheckpoint
 
 
 def shared_vocabulary(sizes: Sequence[tuple[str, int]], tokenizer_size: int | None) -> int:

@@ -13,8 +13,8 @@ from mergecompose.experiments import (
     TaskType,
     get_task_type,
     load_config,
+    plugins,
     register_task_type,
-    registry,
     task_types,
 )
 from mergecompose.studies.letters import LettersTaskSettings
@@ -62,9 +62,9 @@ def test_the_config_picks_the_model_by_type_and_defaults_to_letters():
 def test_the_registry_is_filled_from_the_entry_points_not_by_imports(monkeypatch):
     """Every task type and compare kind is an entry point of the package; a registry without entry points is
     empty though every module that defines one is imported already (nothing registers itself on import)."""
-    assert {entry.name for entry in entry_points(group=registry.TASK_TYPE_GROUP)} == set(task_types())
-    assert {entry.name for entry in entry_points(group=registry.COMPARE_KIND_GROUP)} == set(registry.compare_kinds())
-    assert set(registry.compare_kinds()) == {"lm_eval", "math_code"}
-    monkeypatch.setattr(registry, "_REGISTRY", registry._Registry())
-    monkeypatch.setattr(registry, "entry_points", lambda group: [])
-    assert dict(task_types()) == {} and dict(registry.compare_kinds()) == {}
+    assert {entry.name for entry in entry_points(group=plugins.TASK_TYPE_GROUP)} == set(task_types())
+    assert {entry.name for entry in entry_points(group=plugins.COMPARE_KIND_GROUP)} == set(plugins.compare_kinds())
+    assert set(plugins.compare_kinds()) == {"lm_eval", "math_code"}
+    monkeypatch.setattr(plugins, "_REGISTRY", plugins._Registry())
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [])
+    assert dict(task_types()) == {} and dict(plugins.compare_kinds()) == {}

@@ -27,7 +27,7 @@ from pydantic import (
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core.io import StrictModel, read_yaml_mapping, validation_message
 from mergecompose.core.training import OptimizerSettings
-from mergecompose.experiments.registry import compare_kinds, missing_extra, validate_task
+from mergecompose.experiments.plugins import compare_kinds, missing_extra, validate_task
 from mergecompose.merging import METHODS, validate_merge_params
 
 DEFAULT_TASK_TYPE = "letters"
@@ -213,7 +213,7 @@ class CompareConfig(StrictModel):
     """Everything `mergecompose compare` needs; the resolved config is written beside the results."""
 
     name: str = "letters"
-    # The model registered for `task.type` (`mergecompose.experiments.registry`); letters when no type is given.
+    # The model registered for `task.type` (`mergecompose.experiments.plugins`); letters when no type is given.
     task: SerializeAsAny[BaseModel] = Field(default_factory=lambda: validate_task({}, DEFAULT_TASK_TYPE))
     positions: PositionSettings = Field(default_factory=PositionSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
@@ -221,7 +221,7 @@ class CompareConfig(StrictModel):
     evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
     merges: dict[str, MergeGrid] = Field(default_factory=_default_merges)
     seed_merges: int = Field(0, ge=0)  # DARE's random drop seed
-    # Named remedy sets, each evaluated as one more system `compose+<name>` (`mergecompose.experiments.systems`).
+    # Named remedy sets, each evaluated as one more system `compose+<name>` (`mergecompose.experiments.scored_systems`).
     # Left out of dumps when empty, so configs without remedies keep their hashes.
     remedies: dict[str, RemedySettings] = Field(default_factory=dict, exclude_if=lambda value: not value)
     # Other settings of the same comparison, each evaluated beside this one: variant name ->
@@ -342,7 +342,7 @@ def load_config(path: str | Path) -> BaseModel:
 
 def validate_compare_config(data: dict, path: str | Path | None = None) -> BaseModel:
     """`data` validated as one union of the compare configs, keyed on `task.type`: a compare kind's own model
-    (`mergecompose.experiments.registry.compare_kinds`, e.g. `lm_eval`), else `CompareConfig` (the synthetic
+    (`mergecompose.experiments.plugins.compare_kinds`, e.g. `lm_eval`), else `CompareConfig` (the synthetic
     tasks, whose `task` block is validated by its task type's model)."""
     where = f"{path}: " if path is not None else ""
     task_type = _type_of(data)

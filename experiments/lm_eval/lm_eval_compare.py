@@ -2,7 +2,7 @@
 
     OUT/config.yaml        the resolved config (written first)
     OUT/lm_eval_tasks/     the tiny tasks of `native_run`, if any
-    OUT/cache/             merges and dense LoRA experts, by hash (`mergecompose.experiments.lm_eval.systems`)
+    OUT/cache/             merges and dense LoRA experts, by hash (`mergecompose.experiments.lm_eval.lm_eval_systems`)
     OUT/cells/             one file per (system, task), written when it finishes
                            (`mergecompose.experiments.lm_eval.cells`)
     OUT/samples/           lm-eval's per-sample logs, one jsonl per system and leaf task
@@ -31,22 +31,22 @@ import lm_eval
 import torch
 from tqdm.auto import tqdm
 
-from mergecompose.experiments.config import fingerprint
-from mergecompose.experiments.lm_eval.cells import CellStore, EvaluationSettings, TaskRun, folder_digest
-from mergecompose.experiments.lm_eval.config import LmEvalCompareConfig
-from mergecompose.experiments.lm_eval.preflight import LM_EVAL_FOLDER, check_before_work, preflight
-from mergecompose.experiments.lm_eval.report import plot_bars, results_markdown, results_table
-from mergecompose.experiments.lm_eval.systems import (
+from mergecompose.experiments.compare_config import fingerprint
+from mergecompose.experiments.lm_eval.cells import CellSettings, CellStore, TaskRun, folder_digest
+from mergecompose.experiments.lm_eval.lm_eval_config import LmEvalCompareConfig
+from mergecompose.experiments.lm_eval.lm_eval_report import plot_bars, results_markdown, results_table
+from mergecompose.experiments.lm_eval.lm_eval_systems import (
     MergeBuild,
     build_merge,
     composition_systems,
     plan_merge,
     single_systems,
 )
+from mergecompose.experiments.lm_eval.preflight import LM_EVAL_FOLDER, check_before_work, preflight
 from mergecompose.experiments.merge_selection import best_record, search_merges
-from mergecompose.experiments.registry import CompareKind
+from mergecompose.experiments.plugins import CompareKind
 from mergecompose.experiments.run_folder import RunFolder
-from mergecompose.experiments.systems import System, merge_name
+from mergecompose.experiments.scored_systems import System, merge_name
 from mergecompose.integrations.lm_eval.quiet import quiet_lm_eval
 
 
@@ -97,7 +97,7 @@ def _run_claimed(config: LmEvalCompareConfig, config_hash: str, run: RunFolder, 
         local_paths = [str(out_dir / "lm_eval_tasks")]
     manager = config.check_tasks(local_names, local_paths)  # names and the code opt-in, before any model loads
     task_names = [*config.task.names, *local_names]
-    settings = EvaluationSettings(
+    settings = CellSettings(
         num_fewshot=config.task.num_fewshot,
         gen_kwargs=config.task.gen_kwargs,
         allow_code_execution=config.allow_code_execution,

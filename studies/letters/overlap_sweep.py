@@ -2,7 +2,7 @@
 
 A sweep over pairs of letter-replacement experts whose rules overlap from not at all (`ab` + `cd`)
 to fully (`ab` + `ac`). The base and every expert are trained once, as `mergecompose compare` trains
-them (`mergecompose.experiments.components`, cached by hash under `DIR/checkpoints`); for each pair:
+them (`mergecompose.experiments.trained_models`, cached by hash under `DIR/checkpoints`); for each pair:
 
 * the diagnostics (`mergecompose.studies.letters.overlap.measure_letter_pair`), teacher-forced on held-out strings
   where both skills are active, with the median centre and the base-weighted median centre;
@@ -27,12 +27,11 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from tqdm.auto import tqdm
 
-from mergecompose.analysis.report import format_number
+from mergecompose.analysis.overlap_report import format_number
 from mergecompose.analysis.streaming import OverlapSettings
 from mergecompose.composition import ComposedLM
 from mergecompose.core.io import markdown_table, read_yaml_mapping, validation_message
-from mergecompose.experiments.components import prepare_components
-from mergecompose.experiments.config import (
+from mergecompose.experiments.compare_config import (
     CompareConfig,
     MergeGrid,
     check_some_merge_grids,
@@ -42,9 +41,10 @@ from mergecompose.experiments.config import (
 from mergecompose.experiments.evaluate import EvalSet, greedy_outputs
 from mergecompose.experiments.merge_selection import best_record, merged_model, search_merges
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
-from mergecompose.experiments.systems import ComposedModel, ScoredModel, SingleModel, System, merge_name
+from mergecompose.experiments.scored_systems import ComposedModel, ScoredModel, SingleModel, System, merge_name
+from mergecompose.experiments.trained_models import prepare_components
 from mergecompose.studies.letters.overlap import measure_letter_pair, pair_replacements, pair_strings
-from mergecompose.studies.letters.sweep_stats import plot_overlap_against_error, spearman, two_by_two
+from mergecompose.studies.letters.overlap_sweep_stats import plot_overlap_against_error, spearman, two_by_two
 
 # Any folder is accepted (a sweep folder holds what its user puts there); sweep.json records the config.
 SWEEP_FOLDER = FolderLayout(
@@ -111,7 +111,7 @@ class SweepConfig(BaseModel):
         return self
 
     def compare_config(self, config_path: str | os.PathLike | None = None) -> CompareConfig:
-        """The compare config that trains the base and every skill (validated by `mergecompose.experiments.config`).
+        """The compare config that trains the base and every skill (validated by `experiments.compare_config`).
 
         A relative `compare` is read from the folder of `config_path` (the sweep config's file; None: the
         working directory)."""

@@ -1,6 +1,6 @@
 """`mergecompose lm-eval ARGS…`: lm-eval's own command line, with the `composed` model registered.
 
-lm-eval has no plugin hook for models, so this command imports `mergecompose.integrations.lm_eval.model` (which
+lm-eval has no plugin hook for models, so this command imports `mergecompose.integrations.lm_eval.harness_model` (which
 registers `composed`) and then runs lm-eval's CLI on exactly the arguments given, in lm-eval's
 spelling (`--model composed --model_args base=…,experts=…|… --tasks …`, `--confirm_run_unsafe_code`
 for code tasks, `ls tasks`, …), plus our `--quiet`.
@@ -13,7 +13,7 @@ import sys
 
 from lm_eval._cli import HarnessCLI
 
-import mergecompose.integrations.lm_eval.model  # noqa: F401  (registers the `composed` model)
+import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers the `composed` model)
 from mergecompose.core.cli_common import declare_paths
 from mergecompose.integrations.lm_eval.quiet import quiet_lm_eval
 

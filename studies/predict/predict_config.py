@@ -20,11 +20,11 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from mergecompose.analysis.streaming import OverlapSettings
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core.io import StrictModel, read_yaml_mapping, validation_message
-from mergecompose.experiments.config import CompareConfig, MergeGrid, check_some_merge_grids, deep_merge
+from mergecompose.experiments.compare_config import CompareConfig, MergeGrid, check_some_merge_grids, deep_merge
+from mergecompose.studies.letters.letters_task_type import LettersTaskSettings
 from mergecompose.studies.letters.overlap import pair_replacements
-from mergecompose.studies.letters.settings import LettersTaskSettings
-from mergecompose.studies.letters.sweep import relative_to_config
-from mergecompose.studies.skills.settings import SkillsTaskSettings
+from mergecompose.studies.letters.overlap_sweep import relative_to_config
+from mergecompose.studies.skills.skills_task_type import SkillsTaskSettings
 
 # Bump when what a setting's results mean changes: the cached per-setting results are keyed by it.
 SWEEP_VERSION = 1

@@ -38,7 +38,8 @@ A hub id stays a hub id. What needs a task, a model or a device is checked befor
 
 `native_run` takes the systems from a native seq2seq compare run instead (see
 `mergecompose.experiments.lm_eval.native_run.NativeRun`): fields left out are filled in from that run.
-`letters_run`, its former name, is read as `native_run` with a DeprecationWarning, for one release.
+`letters_run`, its former name, is read as `native_run` with a FutureWarning (shown on the command line
+too), for one release.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core import sources
 from mergecompose.core.io import StrictModel
 from mergecompose.core.sources import check_hub_id, check_model_source, hub_offline, is_local
-from mergecompose.experiments.config import MergeGrid, check_merge_grids
+from mergecompose.experiments.compare_config import MergeGrid, check_merge_grids
 from mergecompose.experiments.lm_eval.catalog import check_task_files, check_task_names, task_kind, unsafe_tasks
 from mergecompose.experiments.lm_eval.native_run import NativeRun
 from mergecompose.merging import METHODS, CheckpointMergeConfig
@@ -149,7 +150,7 @@ class LmEvalCompareConfig(StrictModel):
         if "letters_run" in data and "native_run" not in data:
             warnings.warn(
                 "the lm_eval config's `letters_run` is now `native_run`; `letters_run` will be removed",
-                DeprecationWarning,
+                FutureWarning,
                 stacklevel=2,
             )
             data = {("native_run" if key == "letters_run" else key): value for key, value in data.items()}

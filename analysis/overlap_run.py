@@ -18,6 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.analysis.data import encode_records, make_batches, prompt_batches, read_jsonl
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
+from mergecompose.analysis.overlap_report import write_outputs
+from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.predict import (
     RULE_FILE,
     check_rule_diagnostics,
@@ -26,8 +28,6 @@ from mergecompose.analysis.predict import (
     undefined_reasons,
     unlabelled_diagnostics,
 )
-from mergecompose.analysis.report import write_outputs
-from mergecompose.analysis.settings import OverlapSettings
 from mergecompose.composition import ComposedLM
 from mergecompose.composition.loading import is_adapter_source, names_from_paths
 from mergecompose.core.adapters import merged_adapter_model

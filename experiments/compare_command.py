@@ -7,7 +7,7 @@ from transformers.utils import logging as transformers_logging
 
 from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.experiments.compare import preflight_compare, run_compare
-from mergecompose.experiments.config import load_config
+from mergecompose.experiments.compare_config import load_config
 
 
 def add_commands(subparsers) -> None:

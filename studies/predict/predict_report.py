@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from mergecompose.analysis.overlap_report import format_number
 from mergecompose.analysis.predict import VERDICTS
-from mergecompose.analysis.report import format_number
 from mergecompose.core.io import atomic_save_figure, markdown_table
 from mergecompose.experiments.run_folder import RunFolder
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from mergecompose.core.io import atomic_save_figure, markdown_table
 from mergecompose.experiments.compare import run_compare
-from mergecompose.experiments.config import CompareConfig, fingerprint, load_config
+from mergecompose.experiments.compare_config import CompareConfig, fingerprint, load_config
 from mergecompose.experiments.evaluate import JOINT
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
-from mergecompose.studies.skills.settings import SkillsTaskSettings
+from mergecompose.studies.skills.skills_task_type import SkillsTaskSettings
 
 # Any folder is accepted (the configs' run folders, the shared checkpoints); summary.json records the configs.
 SKILLS_SWEEP_FOLDER = FolderLayout(
@@ -82,7 +82,7 @@ def run_skills_sweep(
 
     `checkpoints`: an existing checkpoints folder to share (e.g. another sweep's); by default
     `out_dir/checkpoints`. Sweeps that share one run side by side: each checkpoint is trained by
-    the first that needs it, while the others wait for it (`mergecompose.experiments.components`). A folder that
+    the first that needs it, while the others wait for it (`mergecompose.experiments.trained_models`). A folder that
     another run is writing is refused at once.
     """
     run = RunFolder(out_dir, SKILLS_SWEEP_FOLDER)
