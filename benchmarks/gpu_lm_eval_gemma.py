@@ -72,9 +72,7 @@ from benchmarks.shapes import gemma2_2b_config
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.experiments.compare import run_compare
 from mergecompose.experiments.compare_config import load_config
-from mergecompose.experiments.lm_eval import (
-    lm_eval_compare as lm_eval_run,  # importing it registers the `lm_eval` compare kind
-)
+from mergecompose.experiments.lm_eval import lm_eval_compare
 
 GEMMA_SPECIAL_TOKENS = {
     "pad_token": "<pad>",
@@ -329,7 +327,7 @@ class PeakMemory:
 def measure_systems(device: torch.device, peak: PeakMemory) -> dict:
     """Wrap the lm_eval compare's model loader: each system's wall seconds (load and cells) and peak GPU memory."""
     records = {}
-    original_enter, original_exit = lm_eval_run._Loader.__enter__, lm_eval_run._Loader.__exit__
+    original_enter, original_exit = lm_eval_compare._Loader.__enter__, lm_eval_compare._Loader.__exit__
 
     def enter(self):
         _sync(device)
@@ -349,7 +347,7 @@ def measure_systems(device: torch.device, peak: PeakMemory) -> dict:
         print(f"[{time.strftime('%H:%M:%S')}] {self.system.name}: done {record}", flush=True)
         return original_exit(self, *exc_info)
 
-    lm_eval_run._Loader.__enter__, lm_eval_run._Loader.__exit__ = enter, exit_
+    lm_eval_compare._Loader.__enter__, lm_eval_compare._Loader.__exit__ = enter, exit_
     return records
 
 
