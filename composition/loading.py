@@ -12,7 +12,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from mergecompose.composition.rule import check_weights
 from mergecompose.composition.vocabulary import check_saved_tensors_fit, checkpoint_vocabulary
-from mergecompose.core.adapters import check_adapter_names, merged_adapter_model, warn_if_made_for_another_base
+from mergecompose.core.adapters import (
+    check_adapter_fits_checkpoint,
+    check_adapter_names,
+    merged_adapter_model,
+    warn_if_made_for_another_base,
+)
 from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter
 
 # How `from_adapters` runs the LoRA experts in one batched pass (`SharedAdapters`).
@@ -184,5 +189,6 @@ def check_pretrained_sources(
     for index, (expert, adapter) in enumerate(zip(experts, is_adapter)):
         if adapter:
             check_saved_tensors_fit(base, expert, f"experts[{index}]")
+            check_adapter_fits_checkpoint(expert, base, names[index])
             warn_if_made_for_another_base(expert, base, f"experts[{index}]")
     return PretrainedSources(str(base), is_adapter, list(names), tokenizer, attention_that_caps(base, model_kwargs))

@@ -25,6 +25,7 @@ from mergecompose.composition.inputs import check_context, checked_logprobs, pre
 from mergecompose.composition.kernels.few_row_linear import FewRowKernel
 from mergecompose.composition.kernels.mixed_head import can_mix, decoding_backend
 from mergecompose.composition.loading import (
+    PretrainedSources,
     check_adapter_arguments,
     check_names,
     check_pretrained_sources,
@@ -203,6 +204,19 @@ class ComposedLM:
         of the same shapes and vocabulary cannot be detected.
         """
         sources = check_pretrained_sources(base, experts, weights, names, lora_implementation, model_kwargs)
+        return cls.from_checked_sources(sources, experts, weights, remedies, lora_implementation=lora_implementation)
+
+    @classmethod
+    def from_checked_sources(
+        cls,
+        sources: PretrainedSources,
+        experts: Sequence[str | os.PathLike[str]],
+        weights: Sequence[float] | None = None,
+        remedies: Sequence[object] = (),
+        *,
+        lora_implementation: str = "stacked",
+    ) -> ComposedLM:
+        """`from_pretrained` after its checks: `sources` from `check_pretrained_sources` for the same arguments."""
         base_model = AutoModelForCausalLM.from_pretrained(sources.base, **sources.model_kwargs).eval()
         tokenizer, names = sources.tokenizer, sources.names
         if all(sources.is_adapter):

@@ -17,7 +17,7 @@ from peft import PeftConfig, PeftModel, get_peft_model_state_dict, set_peft_mode
 from peft.utils import PeftType, load_peft_weights
 
 from mergecompose.core import sources
-from mergecompose.core.boundary import check_adapter, check_json_file
+from mergecompose.core.boundary import check_adapter, check_json_file, check_safetensors_header
 
 _NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 # "base_model.model.<module path>.lora_A.weight" (adapter_name stripped on save).
@@ -100,6 +100,55 @@ def check_adapter_fits(
                 f"adapter `{name}` was made for another base: its `{key}` has shape "
                 f"{tuple(tensor.shape)}, but the base's `{module_path}.weight` has shape {shape}"
             )
+
+
+def check_adapter_fits_checkpoint(
+    adapter: str | os.PathLike[str], base: str | os.PathLike[str], name: str = "adapter"
+) -> None:
+    """Before any weights load: raise a ValueError naming the adapter (`name`), the tensor and both shapes if the LoRA
+    factors of the local
+    `adapter` do not fit the local checkpoint `base`, both read from their safetensors headers (the check
+    `check_adapter_fits` makes once the base is loaded). Hub ids and weights that are not safetensors are left to
+    that check. A factor is compared with either side of the base weight: transformers' Conv1D stores (in, out)."""
+    weights = Path(adapter).expanduser() / "adapter_model.safetensors"
+    base_shapes = _checkpoint_shapes(Path(base).expanduser())
+    if not base_shapes or not weights.exists():
+        return
+    for key, record in check_safetensors_header(weights, name).items():
+        match = _LORA_KEY.match(key)
+        if match is None or not isinstance(record, dict):
+            continue
+        module = match["module"]
+        shape = base_shapes.get(f"{module}.weight")
+        if shape is None:
+            raise ValueError(
+                f"adapter `{name}` targets module `{module}`, which the base checkpoint {str(base)!r} does not have; "
+                "was it made for another base?"
+            )
+        factor = tuple(record["shape"])
+        got = factor[-1] if match["part"] == "A" else factor[0]
+        if len(shape) == 2 and got not in shape:
+            raise ValueError(
+                f"adapter `{name}` was made for another base: its `{key}` has shape {factor}, but the base's "
+                f"`{module}.weight` has shape {shape}"
+            )
+
+
+def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a local safetensors checkpoint (one file or shards), from the headers; {} otherwise."""
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        files = [folder / name for name in sorted(set(check_json_file(index, "base").get("weight_map", {}).values()))]
+    else:
+        return {}
+    return {
+        name: tuple(record["shape"])
+        for file in files
+        for name, record in check_safetensors_header(file, "base").items()
+        if name != "__metadata__"
+    }
 
 
 def recorded_base(adapter: object, argument: str = "adapter") -> str | None:

@@ -71,6 +71,23 @@ def add_common_flags(
         )
 
 
+def add_composition_arguments(parser: argparse.ArgumentParser, base_help: str) -> None:
+    """`--base`, `--expert` (repeated), `--weights` and `--names`: a base and the experts composed with it."""
+    parser.add_argument("--base", required=True, metavar="DIR", help=base_help)
+    parser.add_argument(
+        "--expert",
+        required=True,
+        action="append",
+        metavar="DIR",
+        dest="experts",
+        help="an expert: a full checkpoint or a peft LoRA adapter of the base (repeat for each)",
+    )
+    parser.add_argument(
+        "--weights", type=float, nargs="+", metavar="W", help="one weight per expert (default 1.0 each)"
+    )
+    parser.add_argument("--names", nargs="+", metavar="NAME", help="one name per expert (default: the folder names)")
+
+
 @contextlib.contextmanager
 def command_settings(threads: int | None, quiet: bool) -> Iterator[None]:
     """Set torch's intra-op threads (unless None) and, if `quiet`, hide transformers' progress bars;
@@ -97,7 +114,20 @@ def check_output_location(out: str | os.PathLike | None, flag: str = "--out") ->
     path = Path(out).expanduser()
     if path.is_file():
         raise FileExistsError(f"`{flag}` {str(out)!r} is a file; give a folder")
-    parent = path if path.is_dir() else path.parent
+    _check_writable_parent(path if path.is_dir() else path.parent, out, flag)
+
+
+def check_output_file_location(out: str | os.PathLike, flag: str = "--out") -> None:
+    """Refuse, before any work, an output file that cannot be written: a folder, or a path whose nearest existing
+    parent is a file or a folder this user may not write into."""
+    path = Path(out).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(f"`{flag}` {str(out)!r} is a folder; give a file")
+    _check_writable_parent(path.parent, out, flag)
+
+
+def _check_writable_parent(parent: Path, out: str | os.PathLike, flag: str) -> None:
+    """The nearest existing folder of `parent` (itself or an ancestor) is a folder this user may write into."""
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
@@ -118,7 +148,8 @@ class PathDeclaration:
     `inputs`: arguments whose value (a path, or a list of paths) is read. `configs`: arguments naming a
     config file; the file is an input, and so is every existing file or folder a string in it names
     (relative to the config's folder or to the working directory). `outputs`: arguments naming a
-    folder the command writes (replacing it with `--overwrite`). `caches`: folders the command both
+    folder the command writes (replacing it with `--overwrite`). `output_files`: arguments naming a file the command
+    writes (the command says whether an existing one is replaced). `caches`: folders the command both
     reads and writes by design (a shared checkpoints folder), so an output may hold them. `more`: a
     function of the parsed arguments giving further (inputs, outputs), for a command whose
     arguments are another program's (`lm-eval`). `not_paths`: arguments that take no path although
@@ -128,12 +159,13 @@ class PathDeclaration:
     inputs: tuple[str, ...] = ()
     configs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ("out",)
+    output_files: tuple[str, ...] = ()
     caches: tuple[str, ...] = ()
     more: Callable[[argparse.Namespace], tuple[list[str], list[tuple[str, str]]]] | None = None
     not_paths: tuple[str, ...] = ()  # arguments whose help speaks of files or folders but take no path
 
     def named(self) -> set[str]:
-        return {*self.inputs, *self.configs, *self.outputs, *self.caches}
+        return {*self.inputs, *self.configs, *self.outputs, *self.output_files, *self.caches}
 
 
 def declare_paths(parser: argparse.ArgumentParser, **declaration: object) -> None:
@@ -180,6 +212,10 @@ def check_declared_paths(args: argparse.Namespace) -> None:
         check_output_location(out, flag)
         refuse_output_over_inputs(out, inputs, f"`{flag}`")
     declaration: PathDeclaration = getattr(args, "declared_paths", PathDeclaration())
+    for name in declaration.output_files:
+        for out in _values(getattr(args, name, None)):
+            check_output_file_location(out, _flag(name))
+            refuse_output_over_inputs(out, inputs, f"`{_flag(name)}`")
     if declaration.more is not None:  # another program's outputs: it checks their form itself
         for flag, out in declaration.more(args)[1]:
             refuse_output_over_inputs(out, inputs, f"`{flag}`")

@@ -5,7 +5,7 @@ The folder is written by `mergecompose.integrations.vllm.folder.build_vllm_model
 
 from __future__ import annotations
 
-from mergecompose.core.cli_common import add_common_flags, declare_paths
+from mergecompose.core.cli_common import add_common_flags, add_composition_arguments, declare_paths
 from mergecompose.integrations.vllm.folder import build_vllm_model
 
 
@@ -17,21 +17,7 @@ def add_commands(subparsers) -> None:
         "`vllm serve DIR`, `LLM(model=DIR)`, `lm_eval --model vllm --model_args pretrained=DIR`. "
         "Needs mergecompose installed beside vLLM (README, 'Serving with vLLM').",
     )
-    command.add_argument(
-        "--base", required=True, metavar="DIR", help="the base model folder (safetensors and a tokenizer)"
-    )
-    command.add_argument(
-        "--expert",
-        required=True,
-        action="append",
-        metavar="DIR",
-        dest="experts",
-        help="an expert: a full checkpoint or a peft LoRA adapter of the base (repeat for each)",
-    )
-    command.add_argument(
-        "--weights", type=float, nargs="+", metavar="W", help="one exponent per expert (default 1.0 each)"
-    )
-    command.add_argument("--names", nargs="+", metavar="NAME", help="one name per expert (default: the folder names)")
+    add_composition_arguments(command, "the base model folder (safetensors and a tokenizer)")
     add_common_flags(command, out="the model folder to write", out_required=True)
     declare_paths(command, inputs=("base", "experts"), not_paths=("names",))
     command.set_defaults(func=run_vllm_model)

@@ -19,6 +19,7 @@ from mergecompose.core.io import one_read_per_file, validation_message
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
 _COMMAND_MODULES = [
     "mergecompose.composition.demo_command",
+    "mergecompose.composition.generate_command",
     "mergecompose.integrations.vllm.vllm_model_command",
     "mergecompose.merging.merge_commands",
     "mergecompose.analysis.overlap_command",

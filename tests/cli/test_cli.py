@@ -30,6 +30,7 @@ COMMANDS = [
     "vllm-model",
     "fetch-model",
     "convert-gguf",
+    "generate",
 ]
 WRITING_COMMANDS = [
     "merge",
@@ -96,6 +97,7 @@ VALID_ARGUMENTS = {
     "vllm-model": ["--base", "base", "--expert", "expert", "--out", "out"],
     "fetch-model": ["smollm2-135m-instruct", "--out", "out"],
     "convert-gguf": ["x.gguf", "--out", "out"],
+    "generate": ["a prompt", "--base", "base", "--expert", "expert"],
 }
 
 

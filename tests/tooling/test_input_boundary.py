@@ -214,6 +214,9 @@ RECIPES: dict[str, Recipe] = {
         "expert", WEIGHTS, lambda p: ["vllm-model", "--base", p.base, "--expert", p.expert, "--out", _out(p)]
     ),
     "cli:merge": Recipe("expert", WEIGHTS, lambda p: ["merge", _merge_yaml(p), "--out", _out(p)]),
+    "cli:generate": Recipe(
+        "expert", WEIGHTS, lambda p: ["generate", "--base", p.base, "--expert", p.expert, "x", "--max-new-tokens", "1"]
+    ),
     "cli:task-vector": Recipe("expert", WEIGHTS, lambda p: ["task-vector", p.base, p.expert]),
     "cli:overlap": Recipe(
         "expert",
@@ -264,6 +267,9 @@ RECIPES: dict[str, Recipe] = {
     ),
     "mergecompose.core.adapters.recorded_base": Recipe(
         "adapter", "adapter_config.json", lambda p: lambda: adapters.recorded_base(p.adapter)
+    ),
+    "mergecompose.core.adapters.check_adapter_fits_checkpoint": Recipe(
+        "adapter", ADAPTER_WEIGHTS, lambda p: lambda: adapters.check_adapter_fits_checkpoint(p.adapter, p.base)
     ),
     "mergecompose.core.adapters.warn_if_made_for_another_base": Recipe(
         "adapter", ADAPTER_WEIGHTS, lambda p: lambda: adapters.warn_if_made_for_another_base(p.adapter, p.base)
@@ -364,6 +370,8 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "mergecompose.experiments.TaskType.expert_variant": _IN_MEMORY,
     "mergecompose.studies.letters.LettersTaskSettings.expert_variant": _IN_MEMORY,
     "mergecompose.studies.letters.LettersTaskSettings.lm_eval_choices": _TASK_INPUT,
+    "mergecompose.composition.ComposedLM.from_checked_sources": "loads what `check_pretrained_sources` checked "
+    "(from_pretrained, its one caller besides cli:generate, has a recipe)",
     "mergecompose.studies.skills.SkillsTaskSettings.expert_variant": _IN_MEMORY,
     "mergecompose.experiments.lm_eval.LmEvalCompareConfig.merge_config": _IN_MEMORY,
     "mergecompose.studies.predict.PredictConfig.compare_config": "`config_path` only resolves the relative "
