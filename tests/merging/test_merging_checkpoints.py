@@ -7,7 +7,7 @@ import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mergecompose.merging import MERGEKIT_MODE, CheckpointMergeConfig, merge, merge_checkpoints
+from mergecompose.merging import MERGEKIT_MODE, CheckpointMergeConfig, TaskVector, merge, merge_checkpoints
 
 WEIGHTS = [0.7, 0.4]
 
@@ -171,3 +171,24 @@ def test_example_configs_describe_the_same_merge():
     theirs, untyped = load_merge_config(configs / "merge_ties_mergekit.yaml")
     assert typed is not None and untyped is None
     assert MergeConfiguration.model_validate(ours) == MergeConfiguration.model_validate(theirs)
+
+
+def test_a_base_plus_adapter_reference_merges_the_adapter_in_first(checkpoints, lora_dirs, base_model, tmp_path):
+    """mergekit's `base+adapter` model reference (the quick start's merge): mergekit needs a cache folder for the
+    adapter merged into its base, which `merge_checkpoints` gives it; the result is the base plus each ΔW."""
+    base = str(checkpoints / "base")
+    config = {
+        "merge_method": "task_arithmetic",
+        "base_model": base,
+        "models": [{"model": f"{base}+{lora_dirs[name]}", "parameters": {"weight": 1.0}} for name in ("ab", "cd")],
+        "dtype": "float32",
+    }
+    out = merge_checkpoints(config, tmp_path / "merged")
+    merged = load_file(out / "model.safetensors")
+    expected = base_model.state_dict()
+    for name in ("ab", "cd"):
+        expected = TaskVector.from_lora(base_model, lora_dirs[name]).apply_to(expected)
+    assert merged.keys() <= expected.keys() and "model.layers.0.self_attn.q_proj.weight" in merged
+    for key, tensor in merged.items():
+        torch.testing.assert_close(tensor, expected[key], rtol=1e-5, atol=1e-6)
+    assert [path.name for path in tmp_path.iterdir()] == ["merged"]  # the adapters' cache is gone
