@@ -36,6 +36,11 @@ install: $(VENV)/.installed
 
 install-vllm: $(VLLM_VENV)/.installed
 
+# Both venvs: the main one and vLLM's wheels side by side, then vLLM's editable install (both write ./build).
+install-all:
+	$(MAKE) --no-print-directory -j2 $(VENV)/.installed $(VLLM_VENV)/.deps
+	$(MAKE) --no-print-directory install-vllm
+
 run: $(VENV)/.installed
 	$(BIN)/mergecompose compare configs/letters.yaml --out runs/letters
 
@@ -69,4 +74,4 @@ test:
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 	$(VLLM_BIN)/python -m pytest -q tests/integrations/vllm/engine
 
-.PHONY: install install-vllm relink lint run test bench docs
+.PHONY: install install-vllm install-all relink lint run test bench docs
