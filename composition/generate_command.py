@@ -28,8 +28,8 @@ from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core.boundary import read_text_file
 from mergecompose.core.cli_common import add_common_flags, add_composition_arguments, declare_paths, positive_int
 from mergecompose.core.io import atomic_write_text, validation_message
+from mergecompose.core.precision import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NO_CHAT_TEMPLATE = "the tokenizer of `--base` has no chat template: each prompt is given to the model as it is"
 
 
@@ -131,7 +131,7 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
     """The one prompt, or the prompts of `prompts_file` (one per line; a .jsonl file: objects with `prompt`)."""
     if (prompt is None) == (prompts_file is None):
         raise ValueError(
-            "give a prompt or `--prompts FILE`, not both" if prompt else "give a prompt or `--prompts FILE`"
+            "give a prompt or `--prompts FILE`, not both" if prompt is not None else "give a prompt or `--prompts FILE`"
         )
     if prompt is not None:
         if not prompt.strip():

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 AUTO = "auto"
+# The dtypes a config or a command names, by name.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def fast_bfloat16(device: str | torch.device = "cpu") -> bool:

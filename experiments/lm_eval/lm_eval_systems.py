@@ -25,19 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lm_eval.api.registry
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers lm-eval's `composed` model)
 from mergecompose.composition.loading import is_adapter_source
 from mergecompose.core.boundary import check_checkpoint
 from mergecompose.core.io import atomic_output_dir, manifest_problem, write_manifest
+from mergecompose.core.precision import DTYPES
 from mergecompose.experiments.compare_config import fingerprint
 from mergecompose.experiments.lm_eval.lm_eval_config import LmEvalCompareConfig
 from mergecompose.experiments.scored_systems import BASE, System, expert_name
 from mergecompose.merging import TaskVector, merge, merge_checkpoints
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

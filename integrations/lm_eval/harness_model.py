@@ -57,8 +57,8 @@ from lm_eval.utils import simple_parse_args_string
 
 from mergecompose.composition.model import ComposedLM
 from mergecompose.composition.remedies import RemedySettings
+from mergecompose.core.precision import DTYPES
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 _LORA_IMPLEMENTATIONS = ("stacked", "peft")
 _SAMPLING_KWARGS = ("do_sample", "temperature", "top_k", "top_p", "seed")
@@ -80,7 +80,7 @@ MODEL_ARGS = {
     "weights": "one number per expert, separated by '|', or a list",
     "remedies": "`field:value` pairs joined by ';' (RemedySettings)",
     "lora_implementation": f"one of {list(_LORA_IMPLEMENTATIONS)}",
-    "dtype": f"one of {sorted(_DTYPES)}",
+    "dtype": f"one of {sorted(DTYPES)}",
     "device": "'cpu', 'cuda', 'cuda:N' or 'mps'",
     "batch_size": "a positive integer",
     "max_batch_size": "a positive integer",
@@ -212,7 +212,7 @@ class ComposedModelArgs:
             lora_implementation=_choice(
                 given.get("lora_implementation", "stacked"), "lora_implementation", _LORA_IMPLEMENTATIONS
             ),
-            dtype=_choice(given.get("dtype", "float32"), "dtype", _DTYPES),
+            dtype=_choice(given.get("dtype", "float32"), "dtype", DTYPES),
             device=_device(given.get("device", "cpu")),
             batch_size=_positive_integer(given.get("batch_size", 1), "batch_size"),  # lm-eval's "auto" is not supported
             chunk_megabytes=_positive_integer(given.get("chunk_megabytes", 1024), "chunk_megabytes"),
@@ -250,7 +250,7 @@ class ComposedHFLM(HFLM):
             experts=args.experts,
             weights=args.weights,
             lora_implementation=args.lora_implementation,
-            dtype=_DTYPES[args.dtype],
+            dtype=DTYPES[args.dtype],
             device_map=args.device,
         )
         if composed.tokenizer is None:
