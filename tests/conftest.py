@@ -12,6 +12,7 @@ SmolLM2, its two adapters) are built by whichever worker comes first, under a lo
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,21 @@ def smollm2_adapters(smollm2_dir, tmp_path_factory):
             ).adapter_dir
             for name, folder in folders.items()
         }
+
+
+# The docs' code blocks (tests/docs/test_code_blocks.py), counted by mode and outcome for the session's summary.
+# Here, in the first conftest, so that the xdist controller, which sees every worker's reports, counts them.
+_DOCS_BLOCKS: dict[tuple[str, str], int] = {}
+
+
+def pytest_runtest_logreport(report):
+    match = re.search(r"::test_code_block\[.* (\w+)\]$", report.nodeid)
+    if match and (report.when == "call" or report.outcome != "passed"):
+        key = (match.group(1), report.outcome)
+        _DOCS_BLOCKS[key] = _DOCS_BLOCKS.get(key, 0) + 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _DOCS_BLOCKS:
+        counts = ", ".join(f"{mode} {outcome}: {n}" for (mode, outcome), n in sorted(_DOCS_BLOCKS.items()))
+        terminalreporter.write_line(f"docs code blocks ({sum(_DOCS_BLOCKS.values())}): {counts}")
