@@ -1,6 +1,7 @@
 """Where expert logit deltas overlap, whether the composition is projective, and whether merging ≈ composing.
 
-Pure diagnostics on tensors live in `mergecompose.analysis.diagnostics`; `OverlapAccumulator` streams them
+Pure diagnostics on tensors live in `mergecompose.analysis.diagnostics` (those of the experts' top-1 token
+shifts in `mergecompose.analysis.shift_diagnostics`); `OverlapAccumulator` streams them
 over batches in O(k·V + bins) memory; `measure_overlap` runs a `ComposedLM` (and a merge) over
 batches and returns an `OverlapReport`.
 """
@@ -11,6 +12,7 @@ from mergecompose.analysis.diagnostics import (
     centred_deltas,
     coactivation_rate,
     conditional_kl,
+    delta_norm_ratio,
     delta_supports,
     expert_activity,
     interaction_residual,
@@ -28,6 +30,14 @@ from mergecompose.analysis.diagnostics import (
 )
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
 from mergecompose.analysis.overlap_settings import OverlapSettings
+from mergecompose.analysis.shift_diagnostics import (
+    dominant_shift_error,
+    shift_agreement,
+    shift_counts,
+    top1_shift_rate,
+    top1_shifts,
+    top1_tokens,
+)
 from mergecompose.analysis.streaming import OverlapAccumulator, OverlapReport
 
 __all__ = [
@@ -39,7 +49,9 @@ __all__ = [
     "centred_deltas",
     "coactivation_rate",
     "conditional_kl",
+    "delta_norm_ratio",
     "delta_supports",
+    "dominant_shift_error",
     "expert_activity",
     "interaction_residual",
     "interval_intersections",
@@ -50,9 +62,14 @@ __all__ = [
     "overlap_weights",
     "restricted_projective_error",
     "rollout_batches",
+    "shift_agreement",
+    "shift_counts",
     "sign_conflict_mass",
     "single_active_error",
     "top1_agreement",
+    "top1_shift_rate",
+    "top1_shifts",
+    "top1_tokens",
     "weighted_median",
     "weighted_overlap",
 ]

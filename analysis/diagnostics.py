@@ -396,6 +396,45 @@ def conflict_ratio(sums: OverlapSums) -> torch.Tensor:
     return torch.where(sums.product > 0, sums.conflict / sums.product.clamp(min=1e-30), torch.zeros_like(sums.product))
 
 
+def norm_ratio(sums: OverlapSums) -> torch.Tensor:
+    """`ρ_ij = sqrt(max(S_i, S_j) / min(S_i, S_j))`, `S_i = Σ w δ̃_i²`, from `OverlapSums`, ≥ 1.
+
+    +inf where only the smaller sum is 0, NaN where both are (an expert equal to the base up to a shift).
+    """
+    larger, smaller = torch.maximum(sums.square_i, sums.square_j), torch.minimum(sums.square_i, sums.square_j)
+    return (larger / smaller).sqrt()
+
+
+def delta_norm_ratio(centred_i: torch.Tensor, centred_j: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """How much larger one expert's logit delta is than the other's, where the pair's tokens carry mass.
+
+    `ρ_ij = sqrt(max(S_i, S_j) / min(S_i, S_j))` with `S_i = Σ_t Σ_v w_t(v) δ̃_i(t, v)²`, pooled over every
+    position given: the ratio of the larger to the smaller RMS over positions of the weighted norms
+    `‖δ̃_i(t)‖_w = sqrt(Σ_v w_t(v) δ̃_i(t, v)²)`, with the centred deltas δ̃ (`centred_deltas`, in the
+    report's centre) and the overlap weight `w = max(p_b, p_i, p_j, q)` (`overlap_weights`). 1 when the
+    deltas are equally large; the larger it is, the more the larger delta decides a composition (or a
+    merge) wherever the two overlap.
+
+    Why this norm: it is the one the mass overlap `O_ij` divides by (`overlap_ratio`), so `O_ij` (the
+    weighted cosine of |δ̃_i| and |δ̃_j|) and `ρ_ij` (the ratio of their lengths) read together, and it
+    streams as two sums; the weight keeps out tokens that no model would emit, whose log-ratios drift
+    freely in fine-tuning and would set an unweighted norm over a large vocabulary.
+
+    Args:
+        centred_i, centred_j: `(..., V)` centred deltas, e.g. `(batch, seq, vocab)`; weight: `(..., V)`.
+
+    Returns:
+        `()` float32: +inf where only one delta is 0 at every weighted token, NaN where both are.
+    """
+    if not centred_i.shape == centred_j.shape == weight.shape:
+        raise ValueError(
+            "`centred_i`, `centred_j` and `weight` must have the same shape (..., V), got "
+            f"{tuple(centred_i.shape)}, {tuple(centred_j.shape)} and {tuple(weight.shape)}"
+        )
+    pooled = OverlapSums(*(total.sum() for total in overlap_sums(centred_i, centred_j, weight)))
+    return norm_ratio(pooled)
+
+
 def weighted_overlap(centred_i: torch.Tensor, centred_j: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Per-position weighted overlap `O_ij` (see `overlap_ratio`): `(...)` float32."""
     return overlap_ratio(overlap_sums(centred_i, centred_j, weight))

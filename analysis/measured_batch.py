@@ -25,7 +25,7 @@ class MeasuredBatch:
     """What the position reducers read from a set of n measured positions, computed once.
 
     Per-position statistics that are one sum over the vocabulary (the KLs, the interaction
-    residual) are always computed over all V tokens. The statistics that look at single tokens
+    residual) and the top-1 tokens are always computed over all V tokens. The statistics that look at single tokens
     (centre, supports, overlap sums, top tokens, restricted projective error) are computed on
     M *measured columns*: all V (`settings.full_vocabulary`), or per position the
     `settings.candidates` tokens U with the largest max(p_b, p_i…, q) (`columns`), where the
@@ -45,6 +45,8 @@ class MeasuredBatch:
     active: torch.Tensor  # (k, n) bool, a_i > settings.epsilon
     single_active: torch.Tensor  # (n,) KL(p_active ‖ q) over V, 0 where not eligible
     single_eligible: torch.Tensor  # (n,) bool, |A_t| ≤ 1
+    top1: torch.Tensor  # (k+1, n) int64 argmax over V of b, ℓ_1…ℓ_k (`shift_diagnostics.top1_tokens`)
+    expert_composed_kl: torch.Tensor  # (k, n) KL(p_i ‖ q) over V
     centred: torch.Tensor  # (k, n, M) centred deltas δ̃_i
     supports: torch.Tensor  # (k, n, M) bool supports S_i
     columns: torch.Tensor | None  # (n, M) token ids of the measured columns; None = all V in order
@@ -131,6 +133,8 @@ _POSITION_DIM = {
     "centre_above": 1,
     "delta_extent": 1,
     "linearization": 1,
+    "top1": 1,
+    "expert_composed_kl": 1,
     "gathered": 1,
     "delta_low": 1,
     "delta_high": 1,
@@ -151,12 +155,15 @@ def _measure_rows(components, composed, merged, scaled_experts, weights, setting
     active = dx.active_experts(activity, settings.epsilon)
     single, eligible = dx.single_active_error_from_logprobs(base, experts, log_q, active)
     base_probs, composed_probs = base.exp(), log_q.exp()
+    top1, expert_composed_kl = normalised.argmax(-1), dx.kl_from_logprobs(experts, expert_probs, log_q)
     centred = dx.centred_deltas_from_logprobs(base, experts, centre=settings.centre, base_probs=base_probs)
     fields = dict(
         activity=activity,
         active=active,
         single_active=single,
         single_eligible=eligible,
+        top1=top1,
+        expert_composed_kl=expert_composed_kl,
         base=base,
         experts=experts,
         composed=log_q,
@@ -208,7 +215,8 @@ def vocabulary_sums(components: torch.Tensor, log_q: torch.Tensor) -> tuple[torc
         `kl_base` `(k, n)` = Σ_v p_i (ℓ_i − b) = KL(p_i ‖ p_b); `self_information` `(k+1, n)` =
         Σ_v p_c ℓ_c; `cross_composed` `(k+1, n)` = Σ_v p_c log q; `mass` `(k+1, n)` = Σ_v p_c;
         `delta_low`, `delta_high` `(k, n)`, the least and largest δ_i over V; `peak` `(n, V)` =
-        max(ℓ_b, ℓ_1…, log q), the largest log-prob any of them gives each token. 0·log 0 = 0.
+        max(ℓ_b, ℓ_1…, log q), the largest log-prob any of them gives each token; `top1` `(k+1, n)` int64,
+        argmax_v ℓ_c (the first of tied maxima). 0·log 0 = 0.
     """
     probs = components.exp()  # (k+1, n, V)
     present = probs > 0
@@ -218,7 +226,8 @@ def vocabulary_sums(components: torch.Tensor, log_q: torch.Tensor) -> tuple[torc
     cross_composed = torch.where(present, probs * log_q, 0.0).sum(-1)
     deltas = components[1:].clamp(min=LOGPROB_FLOOR) - base.clamp(min=LOGPROB_FLOOR)  # (k, n, V)
     peak = torch.maximum(components.amax(0), log_q)
-    return kl_base, self_information, cross_composed, probs.sum(-1), deltas.amin(-1), deltas.amax(-1), peak
+    top1 = components.argmax(-1)  # (k+1, n)
+    return kl_base, self_information, cross_composed, probs.sum(-1), deltas.amin(-1), deltas.amax(-1), peak, top1
 
 
 def tail_delta_range(
@@ -332,7 +341,7 @@ def _union_rows(components, composed, merged, scaled_experts, weights, settings:
     components, log_q = components.float(), composed.float()  # (k+1, n, V), (n, V)
     k, V = components.shape[0] - 1, components.shape[-1]
     n = log_q.shape[0]
-    kl_base, self_information, cross_composed, mass, delta_low, delta_high, peak = _pass(
+    kl_base, self_information, cross_composed, mass, delta_low, delta_high, peak, top1 = _pass(
         vocabulary_sums, n, V, components, log_q
     )
     worst = float((mass - 1).abs().max())
@@ -346,12 +355,15 @@ def _union_rows(components, composed, merged, scaled_experts, weights, settings:
     # KL(p_ref ‖ q), p_ref the one active expert or else the base (`single_active_error_from_logprobs`).
     eligible = active.sum(0) <= 1  # (n,)
     choice = torch.where(active.any(0), active.float().argmax(0) + 1, 0)  # (n,)
-    single = (self_information - cross_composed).gather(0, choice[None])[0].clamp(min=0)
+    composed_kl = (self_information - cross_composed).clamp(min=0)  # (k+1, n): KL(p_c ‖ q)
+    single = composed_kl.gather(0, choice[None])[0]
     fields = dict(
         activity=activity,
         active=active,
         single_active=torch.where(eligible, single, 0.0),
         single_eligible=eligible,
+        top1=top1,
+        expert_composed_kl=composed_kl[1:],
     )
     fields.update(_merge_measures(components[0], components[1:], log_q, merged, scaled_experts, weights))
 

@@ -17,7 +17,8 @@ above ε (none otherwise).
 * `VerdictRule`: thresholds fitted by `mergecompose predict-sweep` on synthetic tasks
   (`mergecompose.studies.predict`), shipped as `predict_rule.json`; `recommend` applies it and says why.
   A diagnostic that comes out undefined on the data (None: e.g. the single-active projective error
-  where every position is co-active) does not fail the verdict: see `VerdictRule.verdict`.
+  where every position is co-active) does not fail the verdict: see `VerdictRule.verdict`. Its
+  top-1-shift twin, `projective_error_dominant`, stays defined there (`shift_diagnostics`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ RULE_FILE = "predict_rule.json"
 RULE_PARTS = ("compose", "merge", "remedy")
 
 # The flat names of `flatten_report` and `proxy_owner_statistics`, by where they come from.
-PAIR_STATISTICS = ("mass_overlap", "sign_conflict", "support_jaccard")
+PAIR_STATISTICS = ("mass_overlap", "sign_conflict", "support_jaccard", "delta_norm_ratio")
 GAP_STATISTICS = (
     "merge_compose_kl",
     "merge_compose_kl_p95",
@@ -60,10 +61,21 @@ GAP_STATISTICS = (
 EXPERT_STATISTICS = (
     "linearization_error_mean",
     "projective_error",
+    "projective_error_dominant",
     "projective_error_active_max",
     "expert_kl_mean",
     "active_fraction_mean",
     "active_fraction_sum",
+)
+# Top-1 token shifts (`mergecompose.analysis.shift_diagnostics`): per expert, then per pair; the same-token
+# share enters as its least value over pairs, the pair that pulls apart most.
+SHIFT_STATISTICS = (
+    "top1_shift_rate_mean",
+    "top1_shift_rate_max",
+    "top1_both_shift_rate_mean",
+    "top1_both_shift_rate_max",
+    "top1_same_shift_share_mean",
+    "top1_same_shift_share_min",
 )
 PARAMETER_STATISTICS = ("cosine", "ties_sign_conflict", "trimmed_mask_jaccard")
 PROXY_OWNER_STATISTICS = ("silent_flip_rate", "silent_shift_kl", "low_confidence_rate", "composed_entropy")
@@ -170,12 +182,22 @@ def flatten_report(reports: Mapping[str, dict]) -> dict[str, float | None]:
         [e["linearization_error"] for e in experts if e.get("linearization_error") is not None]
     )
     flat["projective_error"] = main["projective_error"]["single_active"]
+    flat["projective_error_dominant"] = main["projective_error"]["dominant_shift"]
     flat["projective_error_active_max"] = max(
         (e["projective_error_active"] for e in experts if e.get("projective_error_active") is not None), default=None
     )
     flat["expert_kl_mean"] = _mean([e["kl_mean"] for e in experts])
     flat["active_fraction_mean"] = _mean([e["active_fraction"] for e in experts])
     flat["active_fraction_sum"] = sum(e["active_fraction"] for e in experts)
+    shift_rates = [e["top1_shift_rate"] for e in experts]
+    flat["top1_shift_rate_mean"] = _mean(shift_rates)
+    flat["top1_shift_rate_max"] = max(shift_rates, default=None)
+    both = _pairs(main, "top1_both_shift_rate")
+    flat["top1_both_shift_rate_mean"] = _mean(both)
+    flat["top1_both_shift_rate_max"] = max(both, default=None)
+    same = _pairs(main, "top1_same_shift_share")
+    flat["top1_same_shift_share_mean"] = _mean(same)
+    flat["top1_same_shift_share_min"] = min(same, default=None)
     for key in PARAMETER_STATISTICS:
         values = _parameter(main, key)
         flat[f"parameter_{key}_max"] = max(values, default=None)
@@ -198,7 +220,7 @@ def diagnostic_names(settings: OverlapSettings | None = None) -> list[str]:
     for suffix in ("", "_median"):
         names += [f"{key}_{kind}{suffix}" for key in PAIR_STATISTICS for kind in ("mean", "max")]
         names.append(f"mass_overlap_upper_max{suffix}")
-    names += [*GAP_STATISTICS, *EXPERT_STATISTICS]
+    names += [*GAP_STATISTICS, *EXPERT_STATISTICS, *SHIFT_STATISTICS]
     names += [f"parameter_{key}_{kind}" for key in PARAMETER_STATISTICS for kind in ("max", "mean")]
     return names + list(PROXY_OWNER_STATISTICS)
 
@@ -217,13 +239,29 @@ def undefined_reasons(
 
 def _undefined_reason(name: str, report: dict, settings: OverlapSettings) -> str:
     experts = len(report["experts"])
-    if experts < 2 and name.startswith((*PAIR_STATISTICS, "mass_overlap_upper", "parameter_")):
+    pair_names = (*PAIR_STATISTICS, "mass_overlap_upper", "parameter_", "top1_both_shift", "top1_same_shift")
+    if experts < 2 and name.startswith(pair_names):
         return f"a statistic of expert pairs, and there is only {experts} expert"
     if name == "projective_error":
         return (
             f"no measured position has at most one active expert at ε = {settings.epsilon} (all "
             f"{report['num_positions']} positions are co-active), so the single-active projective error "
             "KL(p_active ‖ q) has no position to average over"
+        )
+    if name == "projective_error_dominant":
+        return (
+            f"no measured position (of {report['num_positions']}) has exactly one expert whose top-1 token differs "
+            "from the base's, so the dominant-shift projective error KL(p_owner ‖ q) has no position to average over"
+        )
+    if name.startswith("top1_same_shift_share"):
+        return (
+            "no measured position has both experts of a pair shifting the base's top-1 token, so the share of "
+            "such positions where they shift to the same token is 0/0"
+        )
+    if name.startswith("delta_norm_ratio"):
+        return (
+            "in every pair one expert's centred delta is 0 at every weighted token (it equals the base up to a "
+            "shift), so the ratio of the delta norms is unbounded"
         )
     if name == "projective_error_active_max":
         return f"no expert is active (KL(p_i ‖ p_b) > ε = {settings.epsilon}) at any measured position"

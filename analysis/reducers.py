@@ -8,14 +8,16 @@ are in `mergecompose.analysis.sequence_reducers`.
 
 * `ActivityReducer`: KL(p_i ‖ p_b), active fractions, co-activation;
 * `KLHistogramReducer`: the histogram of KL(p_i ‖ p_b) per expert;
-* `PairOverlapReducer`: mass overlap O_ij, sign conflict, support Jaccard;
+* `PairOverlapReducer`: mass overlap O_ij, sign conflict, support Jaccard, the delta-norm ratio;
+* `Top1ShiftReducer`: per expert the top-1 shift rate, per pair where both shift and whether to one token;
 * `TopTokenReducer`: the tokens each expert moves most;
-* `ProjectiveErrorReducer`: single-active and restricted projective errors;
+* `ProjectiveErrorReducer`: single-active, dominant-shift and restricted projective errors;
 * `MergeGapReducer`: KL(q ‖ m), top-1 agreement, interaction residual;
 * `LinearizationReducer`: the linearization error of θ_b + λτ_i;
 * `VocabularyReducer`: on the top-k union, the mass outside the measured tokens.
 
-Each uses only the public pure functions of `mergecompose.analysis.diagnostics`.
+Each uses only the public pure functions of `mergecompose.analysis.diagnostics` and
+`mergecompose.analysis.shift_diagnostics`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from mergecompose.analysis import diagnostics as dx
+from mergecompose.analysis import shift_diagnostics as sx
 from mergecompose.analysis.measured_batch import MeasuredBatch, SequenceBatch
 from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.summaries import LogHistogram, pair_key, token_labels
@@ -158,7 +161,8 @@ class KLHistogramReducer:
 
 class PairOverlapReducer:
     """Overlap over the vocabulary, per pair: the pooled mass overlap `O_ij`, its sign-conflict share,
-    the Jaccard of the supports, co-activation and the mean `O_ij` where both are active."""
+    the Jaccard of the supports, co-activation, the mean `O_ij` where both are active, and the ratio of
+    the two deltas' weighted RMS norms from the same sums (`diagnostics.delta_norm_ratio`)."""
 
     reads = MeasuredBatch
 
@@ -240,7 +244,7 @@ class PairOverlapReducer:
 
     def report(self) -> dict:
         """`{"pairs": {"a|b": stats}}`; on the top-k union also `mass_overlap_bounds`, `[low, high]` for the
-        full computation."""
+        full computation. `delta_norm_ratio` is None where one delta is 0 at every weighted token (unbounded)."""
         n = max(self.positions, 1)
         pairs = {}
         for pair, (i, j) in enumerate(self.pairs):
@@ -253,10 +257,57 @@ class PairOverlapReducer:
                 "support_jaccard": float(self.support_intersection[pair]) / max(int(self.support_union[pair]), 1),
                 "coactivation_rate": coactive / n,
                 "mass_overlap_coactive_mean": float(self.coactive_overlap_sum[pair]) / coactive if coactive else None,
+                "delta_norm_ratio": _finite(float(dx.norm_ratio(sums))),
             }
             if self.restricted:
                 pairs[pair_key(self.names[i], self.names[j])]["mass_overlap_bounds"] = self._bounds(pair)
         return {"pairs": pairs}
+
+
+def _finite(value: float) -> float | None:
+    """`value`, or None where it is inf or NaN (a ratio with a zero denominator)."""
+    return value if math.isfinite(value) else None
+
+
+class Top1ShiftReducer:
+    """Top-1 token shifts (`mergecompose.analysis.shift_diagnostics`): per expert the share of positions where
+    its top-1 token differs from the base's; per pair the share that both shift and, of those, the share
+    where they shift to the same token (None where no position is shifted by both)."""
+
+    reads = MeasuredBatch
+
+    def __init__(self, names: list[str]):
+        k = len(names)
+        self.names = names
+        self.pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
+        self.counts = sx.ShiftCounts(
+            positions=torch.zeros((), dtype=torch.int64),
+            shifted=torch.zeros(k, dtype=torch.int64),
+            both_shifted=torch.zeros(k, k, dtype=torch.int64),
+            same_token=torch.zeros(k, k, dtype=torch.int64),
+        )
+
+    def update(self, batch: MeasuredBatch) -> None:
+        counts = sx.shift_counts(batch.top1)  # over the batch's n positions
+        self.counts = sx.ShiftCounts(*(total + part for total, part in zip(self.counts, counts)))
+
+    def report(self) -> dict:
+        """`{"experts": {name: {"top1_shift_rate"}}, "pairs": {"a|b": {"top1_both_shift_rate",
+        "top1_same_shift_share"}}}`; empty before any position."""
+        if int(self.counts.positions) == 0:
+            return {}
+        rates = sx.top1_shift_rate(self.counts)  # (k,)
+        agreement = sx.shift_agreement(self.counts)  # (k, k) each
+        return {
+            "experts": {name: {"top1_shift_rate": float(rates[index])} for index, name in enumerate(self.names)},
+            "pairs": {
+                pair_key(self.names[i], self.names[j]): {
+                    "top1_both_shift_rate": float(agreement.both_shift_rate[i, j]),
+                    "top1_same_shift_share": _finite(float(agreement.same_token_share[i, j])),
+                }
+                for i, j in self.pairs
+            },
+        }
 
 
 class TopTokenReducer:
@@ -306,7 +357,9 @@ class TopTokenReducer:
 
 
 class ProjectiveErrorReducer:
-    """Projective error: `KL(p_active ‖ q)` on steps with `|A_t| ≤ 1`, and per expert the restricted
+    """Projective error: `KL(p_active ‖ q)` on steps with `|A_t| ≤ 1`; `KL(p_o ‖ q)` on steps where exactly
+    one expert o shifts the base's top-1 token (`shift_diagnostics.dominant_shift_error`), defined where every
+    step is co-active; and per expert the restricted
     `KL(p_i(·|S_i ∪ B) ‖ q(·|S_i ∪ B))`, over all positions and where the expert is active
     (on the top-k union: S_i ∪ B within U)."""
 
@@ -319,6 +372,8 @@ class ProjectiveErrorReducer:
         self.single_active_sum = 0.0
         self.single_active_count = 0
         self.single_active_histogram = LogHistogram()
+        self.dominant_shift_sum = 0.0
+        self.dominant_shift_count = 0
         self.restricted_sum = torch.zeros(k, dtype=torch.float64)
         self.restricted_max = torch.zeros(k, dtype=torch.float64)
         self.restricted_active_sum = torch.zeros(k, dtype=torch.float64)
@@ -330,6 +385,9 @@ class ProjectiveErrorReducer:
         self.single_active_sum += float(single[eligible].double().sum())
         self.single_active_count += int(eligible.sum())
         self.single_active_histogram.add(single[eligible])
+        dominant, owned = sx.dominant_shift_error_from_tokens(batch.top1, batch.expert_composed_kl)  # (N,) each
+        self.dominant_shift_sum += float(dominant[owned].double().sum())
+        self.dominant_shift_count += int(owned.sum())
         restricted = dx.restricted_projective_error_from_logprobs(
             batch.experts, batch.expert_probs, batch.composed, batch.composed_probs, batch.supports
         )  # (k, N)
@@ -354,11 +412,13 @@ class ProjectiveErrorReducer:
             }
             for index, name in enumerate(self.names)
         }
-        count = self.single_active_count
+        count, owned = self.single_active_count, self.dominant_shift_count
         projective_error = {
             "single_active": self.single_active_sum / count if count else None,
             "single_active_fraction": count / n,
             "single_active_p95": self.single_active_histogram.quantile(0.95),
+            "dominant_shift": self.dominant_shift_sum / owned if owned else None,
+            "dominant_shift_fraction": owned / n,
             "per_expert": {name: stats["projective_error"] for name, stats in experts.items()},
         }
         return {"projective_error": projective_error, "experts": experts}

@@ -27,6 +27,7 @@ from mergecompose.analysis.reducers import (
     PairOverlapReducer,
     ProjectiveErrorReducer,
     Reducer,
+    Top1ShiftReducer,
     TopTokenReducer,
     VocabularyReducer,
     merge_reports,
@@ -42,13 +43,17 @@ class OverlapReport:
 
     * `coactivation_rate`: `P(|A_t(ε)| ≥ 2)` at `settings.epsilon`, and per ε in
       `coactivation_by_epsilon`;
-    * `experts[name]`: `kl_mean` (mean `KL(p_i ‖ p_b)`), `active_fraction`, interval statistics,
+    * `experts[name]`: `kl_mean` (mean `KL(p_i ‖ p_b)`), `active_fraction`, `top1_shift_rate` (share of
+      positions where its top-1 token differs from the base's), interval statistics,
       `projective_error` (mean restricted KL), the tokens it moves most, the KL histogram;
     * `pairs["a|b"]`: `mass_overlap` (O_ij pooled over all positions and tokens),
-      `sign_conflict` (conflicting share of that overlap), `support_jaccard`, co-activation and
-      interval overlap of the two, `parameter` (task-vector measures, when known);
-    * `projective_error`: `single_active` (mean `KL(p_active ‖ q)` over steps with `|A_t| ≤ 1`)
-      and `per_expert`;
+      `sign_conflict` (conflicting share of that overlap), `support_jaccard`, `delta_norm_ratio`
+      (larger over smaller weighted RMS delta norm), `top1_both_shift_rate` and `top1_same_shift_share`
+      (share of positions both shift the base's top-1 token; of those, share shifted to the same token),
+      co-activation and interval overlap of the two, `parameter` (task-vector measures, when known);
+    * `projective_error`: `single_active` (mean `KL(p_active ‖ q)` over steps with `|A_t| ≤ 1`),
+      `dominant_shift` (mean `KL(p_o ‖ q)` over steps where exactly one expert o shifts the base's
+      top-1 token; defined where every step is co-active) and `per_expert`;
     * `merge_compose_gap`: `kl_mean` of `KL(q ‖ m)`, `top1_agreement`, the interaction residual,
       the histogram (present when a merged model was measured);
     * `reservoir`: example positions with the top tokens of every component;
@@ -154,6 +159,7 @@ class OverlapAccumulator:
         self.reducers: list[Reducer] = [
             ActivityReducer(self.names, self.settings),
             PairOverlapReducer(self.names),
+            Top1ShiftReducer(self.names),
             IntervalReducer(self.names),
             ProjectiveErrorReducer(self.names),
             TopTokenReducer(self.names, self.vocab_size, self.settings.top_tokens, decode),

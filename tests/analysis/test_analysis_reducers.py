@@ -89,6 +89,7 @@ def test_report_keys_keep_their_order():
         "kl_median",
         "active_fraction",
         "active_fraction_by_epsilon",
+        "top1_shift_rate",
         "sequences_active_fraction",
         "interval_length_mean",
         "projective_error",
@@ -106,7 +107,10 @@ def test_report_keys_keep_their_order():
         "support_jaccard",
         "coactivation_rate",
         "mass_overlap_coactive_mean",
+        "delta_norm_ratio",
         "mass_overlap_bounds",
+        "top1_both_shift_rate",
+        "top1_same_shift_share",
         "interval_overlap_rate",
         "interval_iou_mean",
     ]
@@ -114,5 +118,7 @@ def test_report_keys_keep_their_order():
         "single_active",
         "single_active_fraction",
         "single_active_p95",
+        "dominant_shift",
+        "dominant_shift_fraction",
         "per_expert",
     ]
