@@ -19,51 +19,35 @@ recipe, the losses, the seconds).
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
 import torch
-from peft import LoraConfig, get_peft_model
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mergecompose.core.io import atomic_output_dir, atomic_write_text, manifest_problem, write_manifest
-from mergecompose.core.precision import AUTO, fast_bfloat16
-from mergecompose.core.training import Batch, OptimizerSettings, aligned_batch, train_model
+from mergecompose.core.io import manifest_problem
 from mergecompose.experiments.compare_config import fingerprint
 from mergecompose.experiments.lm_eval.lm_eval_systems import source_identity
-from mergecompose.studies.math_code.chat_data import end_of_turn_id, generation_inputs, training_batch
+from mergecompose.studies.chat_training import (
+    AdapterRecipe,
+    autocast_dtype,
+    resolved,
+    train_on_pairs,
+)
+from mergecompose.studies.math_code.chat_data import end_of_turn_id, generation_inputs
 from mergecompose.studies.math_code.code_problems import code_split
 from mergecompose.studies.math_code.math_problems import expanded_arithmetic, math_split
 from mergecompose.studies.math_code.scoring import score_code, score_math
 
-ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-TRAINING_RECORD = "training.json"
 
-
-class ExpertRecipe(BaseModel):
+class ExpertRecipe(AdapterRecipe):
     """How one expert is trained from the base (see the module docstring)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
     skill: Literal["math", "code"]
-    kind: Literal["lora", "full"] = "lora"
     examples: int = Field(1200, ge=1)  # distinct training problems (code's train templates hold 385)
-    steps: int = Field(150, ge=1)
-    batch_size: int = Field(8, ge=1)
-    learning_rate: float = Field(1e-3, gt=0)
-    warmup_steps: int = Field(10, ge=0)
-    weight_decay: float = Field(0.0, ge=0)
-    rank: int = Field(16, ge=1)  # LoRA only
-    alpha: float = Field(32.0, gt=0)  # LoRA only: scaling alpha / rank
-    target_modules: list[str] = Field(default_factory=lambda: list(ALL_PROJECTIONS), min_length=1)
-    seed: int = Field(0, ge=0)
-    autocast: Literal["auto", "bfloat16"] | None = "auto"
     # The answers trained on: the problems' reference solutions, or the base's own answers that are right
     # (`samples` drawn per problem at `temperature`, kept when their lenient score passes: rejection sampling).
     answers: Literal["reference", "sampled"] = "reference"
@@ -89,17 +73,6 @@ class ExpertRecipe(BaseModel):
         if self.types_weight != 0 and self.skill != "math":
             raise ValueError(f"`types_weight` must be 0 for a {self.skill} expert, got {self.types_weight}")
         return self
-
-
-def resolved(recipe: ExpertRecipe) -> ExpertRecipe:
-    """`recipe` with `autocast: auto` made what it means on this CPU: 'bfloat16' where it is fast, else None."""
-    if recipe.autocast != AUTO:
-        return recipe
-    return recipe.model_copy(update={"autocast": "bfloat16" if fast_bfloat16("cpu") else None})
-
-
-def _autocast(recipe: ExpertRecipe) -> torch.dtype | None:
-    return torch.bfloat16 if resolved(recipe).autocast == "bfloat16" else None
 
 
 def _math_train_problems(recipe: ExpertRecipe) -> list:
@@ -128,7 +101,7 @@ def sampled_pairs(model, tokenizer, recipe: ExpertRecipe, batch_size: int = 32) 
     model.eval()
     for start in range(0, len(prompts), batch_size):
         inputs = generation_inputs(tokenizer, prompts[start : start + batch_size])
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=_autocast(recipe) is not None):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_dtype(recipe) is not None):
             generated = model.generate(
                 **inputs,
                 do_sample=True,
@@ -202,60 +175,5 @@ def train_expert(
         pairs, counts = sampled_pairs(model, tokenizer, recipe)
     else:
         pairs, counts = training_pairs(recipe), {"kept": recipe.examples}
-    if recipe.kind == "lora":
-        config = LoraConfig(
-            r=recipe.rank,
-            lora_alpha=recipe.alpha,
-            target_modules=list(recipe.target_modules),  # type: ignore[arg-type]
-        )
-        model = get_peft_model(model, config)
-    settings = OptimizerSettings(
-        lr=recipe.learning_rate,
-        weight_decay=recipe.weight_decay,
-        schedule="cosine",
-        warmup_fraction=min(recipe.warmup_steps / recipe.steps, 0.99),
-        grad_clip=1.0,
-    )
-    torch.manual_seed(recipe.seed)
-    log = train_model(
-        model,
-        _batches(tokenizer, pairs, recipe),
-        settings,
-        recipe.steps,
-        description=f"{recipe.skill} expert ({recipe.kind})",
-        progress=progress,
-        log_every=1,
-        autocast=_autocast(recipe),
-        labelled_logits_only=True,
-    )
-    seconds = round(time.perf_counter() - started, 1)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output_dir(folder, overwrite=True) as out:
-        if recipe.kind == "lora":
-            model.save_pretrained(str(out))
-        else:
-            model.save_pretrained(out)
-            tokenizer.save_pretrained(str(out))
-        record = {
-            "recipe": resolved(recipe).model_dump(mode="json"),
-            "base": str(base),
-            "seconds": seconds,
-            "examples": counts,
-            "losses": log.rounded_losses(),
-        }
-        atomic_write_text(out / TRAINING_RECORD, json.dumps(record, indent=2) + "\n")
-        write_manifest(out)
-    return folder
-
-
-def _batches(tokenizer, pairs: list[tuple[str, str]], recipe: ExpertRecipe) -> Iterator[Batch]:
-    """`recipe.steps` batches of `batch_size` conversations, each pass over `pairs` in a new seeded order."""
-    rng = random.Random(recipe.seed)
-    order: list[int] = []
-    for _ in range(recipe.steps):
-        while len(order) < recipe.batch_size:
-            fresh = list(range(len(pairs)))
-            rng.shuffle(fresh)
-            order.extend(fresh)
-        chosen, order = order[: recipe.batch_size], order[recipe.batch_size :]
-        yield aligned_batch(training_batch(tokenizer, [pairs[index] for index in chosen]))
+    record = {"base": str(base), "examples": counts}
+    return train_on_pairs(model, tokenizer, pairs, recipe, folder, f"{recipe.skill} expert", progress, record, started)

@@ -75,8 +75,9 @@ from mergecompose.experiments.plugins import CompareKind
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
 from mergecompose.experiments.scored_systems import expert_name, merge_name
 from mergecompose.integrations.gguf.fetch import MODELS, cache_root, fetch_model, model_cache_dir
+from mergecompose.studies.chat_training import TRAINING_RECORD
 from mergecompose.studies.math_code.chat_data import generation_text
-from mergecompose.studies.math_code.experts import TRAINING_RECORD, ExpertRecipe, cached_expert, train_expert
+from mergecompose.studies.math_code.experts import ExpertRecipe, cached_expert, train_expert
 from mergecompose.studies.math_code.lm_eval_tasks import write_study_tasks
 from mergecompose.studies.math_code.mixed import mixed_split
 

@@ -8,6 +8,7 @@ import pytest
 
 from mergecompose.core import precision
 from mergecompose.core.precision import resolve_dtype, slow_dtype_problem
+from mergecompose.studies import chat_training
 from mergecompose.studies.math_code import experts
 from mergecompose.studies.math_code.experts import ExpertRecipe, expert_folder
 
@@ -35,7 +36,7 @@ def test_an_explicit_bfloat16_where_it_is_slow_is_named_with_its_field(monkeypat
 def test_an_auto_expert_recipe_is_keyed_by_what_it_trains_in(fast, monkeypatch, tmp_path):
     """`autocast: auto` trains in bfloat16 where it is fast, float32 elsewhere; its cache key is the resolved recipe's,
     so an expert trained under the old default (`bfloat16`) on a fast CPU is found again."""
-    monkeypatch.setattr(experts, "fast_bfloat16", lambda device="cpu": fast)
+    monkeypatch.setattr(chat_training, "fast_bfloat16", lambda device="cpu": fast)
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text("{}")

@@ -392,6 +392,7 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "mergecompose.merging.TaskVector.apply_to": _IN_MEMORY,
     "mergecompose.merging.merge": _IN_MEMORY,
     "mergecompose.merging.TaskVector.from_state_dicts": _IN_MEMORY,
+    "mergecompose.studies.chat_training.train_on_pairs": _WRITES,
 }
 
 # Entry points whose user files are all read by another entry point that has a recipe.
