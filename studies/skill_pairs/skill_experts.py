@@ -1,0 +1,69 @@
+"""The one-skill experts of the real settings, trained from the base and kept in a cache by recipe.
+
+A `SkillRecipe` is an `AdapterRecipe` (`mergecompose.studies.chat_training`) with the skill and the number of
+distinct training items, drawn from the skill's train templates (`skill_items(skill, "train", examples)`).
+`train_skill_expert` keeps each expert in `CACHE/experts/<skill>-<kind>-<hash>`, the hash of the recipe, the
+base's files and the training items, so every setting that uses a skill shares its one expert, and a rerun on
+this machine or another finds it again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from mergecompose.core.io import manifest_problem
+from mergecompose.experiments.compare_config import fingerprint
+from mergecompose.experiments.lm_eval.lm_eval_systems import source_identity
+from mergecompose.studies.chat_training import AdapterRecipe, resolved, train_on_pairs
+from mergecompose.studies.skill_pairs.skill_data import SkillItem, skill_items
+
+SkillName = Literal["units", "dates", "sort", "json", "brackets", "signature"]
+
+
+class SkillRecipe(AdapterRecipe):
+    """How one skill's expert is trained: the skill, its training items, and `AdapterRecipe`'s settings."""
+
+    skill: SkillName
+    examples: int = Field(400, ge=1)  # distinct training items
+    steps: int = Field(120, ge=1)
+
+
+def training_items(recipe: SkillRecipe) -> list[SkillItem]:
+    return skill_items(recipe.skill, "train", recipe.examples, recipe.seed)
+
+
+def skill_expert_folder(base: str | os.PathLike, recipe: SkillRecipe, cache: str | os.PathLike) -> Path:
+    """Where `train_skill_expert` keeps the expert of `recipe` on `base` (nothing is trained)."""
+    data = fingerprint([[item.prompt, item.answer] for item in training_items(recipe)])
+    recipe_key = resolved(recipe).model_dump(mode="json")
+    key = fingerprint({"recipe": recipe_key, "base": source_identity(str(base)), "data": data})
+    return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
+
+
+def cached_skill_expert(base: str | os.PathLike, recipe: SkillRecipe, cache: str | os.PathLike) -> Path | None:
+    """The trained expert's folder if the cache holds it whole (its manifest checks out), else None."""
+    folder = skill_expert_folder(base, recipe, cache)
+    return folder if folder.is_dir() and manifest_problem(folder) is None else None
+
+
+def train_skill_expert(
+    base: str | os.PathLike, recipe: SkillRecipe, cache: str | os.PathLike, *, progress: bool = True
+) -> Path:
+    """The expert of `recipe` trained from the checkpoint folder `base`, from the cache or trained now."""
+    found = cached_skill_expert(base, recipe, cache)
+    if found is not None:
+        return found
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    pairs = [(item.prompt, item.answer) for item in training_items(recipe)]
+    record = {"base": str(base), "examples": {"kept": len(pairs)}}
+    folder = skill_expert_folder(base, recipe, cache)
+    return train_on_pairs(model, tokenizer, pairs, recipe, folder, f"{recipe.skill} expert", progress, record, started)
