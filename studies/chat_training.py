@@ -23,9 +23,11 @@ import torch
 from peft import LoraConfig, get_peft_model
 from pydantic import BaseModel, ConfigDict, Field
 
-from mergecompose.core.io import atomic_output_dir, atomic_write_text, write_manifest
+from mergecompose.core.io import atomic_output_dir, atomic_write_text, manifest_problem, write_manifest
 from mergecompose.core.precision import AUTO, fast_bfloat16
 from mergecompose.core.training import Batch, OptimizerSettings, aligned_batch, train_model
+from mergecompose.experiments.compare_config import fingerprint
+from mergecompose.experiments.lm_eval.lm_eval_systems import source_identity
 from mergecompose.studies.math_code.chat_data import training_batch
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -59,6 +61,17 @@ def resolved(recipe: AdapterRecipe) -> AdapterRecipe:
 
 def autocast_dtype(recipe: AdapterRecipe) -> torch.dtype | None:
     return torch.bfloat16 if resolved(recipe).autocast == "bfloat16" else None
+
+
+def expert_key(recipe_key: dict, base: str | os.PathLike, data: list) -> str:
+    """The cache key of an expert: its recipe (as the study keys it), the base's files (names, sizes, modification
+    times) and its training data, so a changed recipe, base or data generator trains anew."""
+    return fingerprint({"recipe": recipe_key, "base": source_identity(str(base)), "data": fingerprint(data)})
+
+
+def whole_folder(folder: Path) -> Path | None:
+    """`folder` if the cache holds it whole (its manifest checks out), else None."""
+    return folder if folder.is_dir() and manifest_problem(folder) is None else None
 
 
 def train_on_pairs(

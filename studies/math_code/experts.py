@@ -28,14 +28,13 @@ import torch
 from pydantic import Field, model_validator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mergecompose.core.io import manifest_problem
-from mergecompose.experiments.compare_config import fingerprint
-from mergecompose.experiments.lm_eval.lm_eval_systems import source_identity
 from mergecompose.studies.chat_training import (
     AdapterRecipe,
     autocast_dtype,
+    expert_key,
     resolved,
     train_on_pairs,
+    whole_folder,
 )
 from mergecompose.studies.math_code.chat_data import end_of_turn_id, generation_inputs
 from mergecompose.studies.math_code.code_problems import code_split
@@ -148,15 +147,13 @@ def expert_folder(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os
     The key holds the recipe, the base's files and the training problems themselves, so a change to a
     data generator trains anew instead of reusing an expert trained on other problems.
     """
-    problems = fingerprint([list(pair) for pair in training_pairs(recipe)])
-    key = fingerprint({"recipe": recipe_key(recipe), "base": source_identity(str(base)), "data": problems})
+    key = expert_key(recipe_key(recipe), base, [list(pair) for pair in training_pairs(recipe)])
     return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
 
 
 def cached_expert(base: str | os.PathLike, recipe: ExpertRecipe, cache: str | os.PathLike) -> Path | None:
     """The trained expert's folder if the cache holds it whole (its manifest checks out), else None."""
-    folder = expert_folder(base, recipe, cache)
-    return folder if folder.is_dir() and manifest_problem(folder) is None else None
+    return whole_folder(expert_folder(base, recipe, cache))
 
 
 def train_expert(

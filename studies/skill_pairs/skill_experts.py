@@ -18,10 +18,7 @@ import torch
 from pydantic import Field
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from mergecompose.core.io import manifest_problem
-from mergecompose.experiments.compare_config import fingerprint
-from mergecompose.experiments.lm_eval.lm_eval_systems import source_identity
-from mergecompose.studies.chat_training import AdapterRecipe, resolved, train_on_pairs
+from mergecompose.studies.chat_training import AdapterRecipe, expert_key, resolved, train_on_pairs, whole_folder
 from mergecompose.studies.skill_pairs.skill_data import SkillItem, skill_items
 
 SkillName = Literal["units", "dates", "sort", "json", "brackets", "signature"]
@@ -41,16 +38,14 @@ def training_items(recipe: SkillRecipe) -> list[SkillItem]:
 
 def skill_expert_folder(base: str | os.PathLike, recipe: SkillRecipe, cache: str | os.PathLike) -> Path:
     """Where `train_skill_expert` keeps the expert of `recipe` on `base` (nothing is trained)."""
-    data = fingerprint([[item.prompt, item.answer] for item in training_items(recipe)])
-    recipe_key = resolved(recipe).model_dump(mode="json")
-    key = fingerprint({"recipe": recipe_key, "base": source_identity(str(base)), "data": data})
+    data = [[item.prompt, item.answer] for item in training_items(recipe)]
+    key = expert_key(resolved(recipe).model_dump(mode="json"), base, data)
     return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
 
 
 def cached_skill_expert(base: str | os.PathLike, recipe: SkillRecipe, cache: str | os.PathLike) -> Path | None:
     """The trained expert's folder if the cache holds it whole (its manifest checks out), else None."""
-    folder = skill_expert_folder(base, recipe, cache)
-    return folder if folder.is_dir() and manifest_problem(folder) is None else None
+    return whole_folder(skill_expert_folder(base, recipe, cache))
 
 
 def train_skill_expert(

@@ -15,22 +15,17 @@ import json
 import re
 from dataclasses import dataclass
 
+from mergecompose.studies.math_code.scoring import Score
 from mergecompose.studies.skill_pairs.skill_data import CONTENT_SKILLS, SIGNATURE, SkillItem
 
 NUMBER = re.compile(r"\d[\d,]*")
 
 
 @dataclass(frozen=True)
-class PartScore:
-    strict: bool
-    lenient: bool
-
-
-@dataclass(frozen=True)
 class ItemScore:
     """The item's parts by skill, and the whole: right when every part is."""
 
-    parts: dict[str, PartScore]
+    parts: dict[str, Score]
 
     @property
     def strict(self) -> bool:
@@ -111,7 +106,7 @@ def score_item(item: SkillItem, output: str) -> ItemScore:
         for index, (skill, reference) in enumerate(zip(content_skills, item.content)):
             strict = strict_lines is not None and len(strict_lines) == len(content_skills)
             strict = strict and strict_lines[index].strip() == reference  # type: ignore[index]
-            parts[skill] = PartScore(strict, content_found(skill, reference, output))
+            parts[skill] = Score(strict, content_found(skill, reference, output))
     if item.form is not None:
-        parts[item.form] = PartScore(inner is not None, form_found(item.form, output))
+        parts[item.form] = Score(inner is not None, form_found(item.form, output))
     return ItemScore(parts)

@@ -30,15 +30,6 @@ def _merged(base, experts, lam: float):
 
 
 @pytest.fixture(scope="module")
-def batches():
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 64, (3, 10), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    return [{"input_ids": ids, "attention_mask": mask}]
-
-
-@pytest.fixture(scope="module")
 def lm_head_experts(base_model):
     return [_with_new_lm_head(base_model, seed=21), _with_new_lm_head(base_model, seed=22)]
 

@@ -314,15 +314,6 @@ def test_undefined_reasons_of_the_new_diagnostics():
 # ------------------------------------------------------------------------------------ models
 
 
-@pytest.fixture(scope="module")
-def batches():
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 64, (3, 10), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    return [{"input_ids": ids, "attention_mask": mask}]
-
-
 def _expected(components: torch.Tensor) -> dict:
     """The new statistics from the pure functions on `(k+1, N, V)` log-probs, weights 1."""
     base, experts = components[0], components[1:]
