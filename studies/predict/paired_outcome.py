@@ -1,4 +1,4 @@
-"""One outcome label for every setting, synthetic or real: the best merge against the best composition on the same items.
+"""One outcome label for every setting, synthetic or real: the best merge against the best composition, same items.
 
 Both systems answer the same n test items; an item is right or wrong for each. Only the discordant items tell
 them apart: `merge_only` (the merge right, the composition wrong) and `compose_only` (the other way). The exact

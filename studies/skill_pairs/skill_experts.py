@@ -62,3 +62,24 @@ def train_skill_expert(
     record = {"base": str(base), "examples": {"kept": len(pairs)}}
     folder = skill_expert_folder(base, recipe, cache)
     return train_on_pairs(model, tokenizer, pairs, recipe, folder, f"{recipe.skill} expert", progress, record, started)
+
+
+BAR_MARGIN = 0.20  # an expert is real at ≥ the base's lenient score + 20 points ...
+BAR_HIGH = 0.90  # ... or at ≥ 90 % where the base is already high
+
+
+def expert_bar(base_lenient: float) -> float:
+    """The lenient score an expert must reach on its own held-out split: base + 20 points, at most 90 %."""
+    return min(base_lenient + BAR_MARGIN, BAR_HIGH)
+
+
+def check_expert_bar(skill: str, base: dict[str, float], expert: dict[str, float]) -> None:
+    """Refuse an expert below its bar, in one line naming both scores (`{"lenient", "strict"}` fractions each)."""
+    bar = expert_bar(base["lenient"])
+    if expert["lenient"] < bar:
+        raise ValueError(
+            f"the `{skill}` expert is below its bar: lenient {expert['lenient']:.1%} (strict {expert['strict']:.1%}) "
+            f"on its held-out split, against the base's {base['lenient']:.1%} (strict {base['strict']:.1%}); an "
+            f"expert needs ≥ {bar:.1%} (the base + {BAR_MARGIN:.0%} points, or {BAR_HIGH:.0%}): train it longer "
+            "or replace the skill"
+        )

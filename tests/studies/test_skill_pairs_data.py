@@ -19,6 +19,7 @@ from mergecompose.studies.skill_pairs.skill_data import (
     phrasings,
     skill_items,
 )
+from mergecompose.studies.skill_pairs.skill_experts import check_expert_bar
 from mergecompose.studies.skill_pairs.skill_scoring import score_item
 
 
@@ -150,3 +151,23 @@ def test_bad_arguments_are_named():
         joint_items("json", "units", "test", 3)
     with pytest.raises(ValueError, match="`output` must be a str"):
         score_item(skill_items("units", "test", 1)[0], None)
+
+
+@pytest.mark.parametrize(
+    ("base", "expert", "real"),
+    [
+        (0.17, 0.37, True),  # + 20 points exactly
+        (0.17, 0.36, False),
+        (0.0, 1.0, True),
+        (0.80, 0.90, True),  # a high base: 90 % is enough
+        (0.80, 0.89, False),
+        (0.95, 0.90, True),  # the bar never asks more than 90 %
+    ],
+)
+def test_the_expert_bar(base, expert, real):
+    scores = ({"lenient": base, "strict": 0.1}, {"lenient": expert, "strict": 0.05})
+    if real:
+        check_expert_bar("units", *scores)
+    else:
+        with pytest.raises(ValueError, match=r"the `units` expert is below its bar: lenient .* \(strict 5\.0%\)"):
+            check_expert_bar("units", *scores)
