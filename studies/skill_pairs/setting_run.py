@@ -78,8 +78,8 @@ class SettingRun:
         batch_size: int = 32,
         progress: bool = True,
     ):
-        if len(experts) != 2:
-            raise ValueError(f"`experts` must map two skills to their adapters, got {list(experts)}")
+        if not experts:
+            raise ValueError("`experts` must map at least one skill to its adapter, got none")
         self.base_path, self.experts = str(base), {name: str(path) for name, path in experts.items()}
         self.folder = Path(folder)
         self.max_new_tokens, self.batch_size, self.progress = max_new_tokens, batch_size, progress
@@ -92,11 +92,15 @@ class SettingRun:
     def expert_model(self, skill: str):
         return PeftModel.from_pretrained(copy.deepcopy(self.base), self.experts[skill]).merge_and_unload().eval()
 
-    def merged_model(self, method: str, params: Mapping):
+    def task_vectors(self) -> list[TaskVector]:
+        """Each expert's dense ΔW (`TaskVector.from_lora`), computed once."""
         if self._task_vectors is None:
             self._task_vectors = [TaskVector.from_lora(self.base, path) for path in self.experts.values()]
+        return self._task_vectors
+
+    def merged_model(self, method: str, params: Mapping):
         model = copy.deepcopy(self.base)
-        model.load_state_dict(merge(method, self.base, self._task_vectors, progress=False, **params))
+        model.load_state_dict(merge(method, self.base, self.task_vectors(), progress=False, **params))
         return model.eval()
 
     def composed(self, weights: Sequence[float], remedy: RemedySettings | None = None) -> ComposedLM:
@@ -163,6 +167,8 @@ class SettingRun:
         remedies: Mapping[str, RemedySettings],
     ) -> dict:
         """Choose the best merge and composition on `validation`, score the systems on `test`, label the setting."""
+        if len(self.experts) != 2:
+            raise ValueError(f"a setting has two experts, got {list(self.experts)}")
         merge_systems, compose_systems = self.candidates(merges, weights, remedies)
         chosen = {}
         bar = tqdm(total=len(merge_systems) + len(compose_systems) + 5, disable=not self.progress, desc="cells")

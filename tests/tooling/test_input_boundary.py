@@ -227,6 +227,7 @@ RECIPES: dict[str, Recipe] = {
     "cli:skills-sweep": Recipe("config", "", lambda p: ["skills-sweep", p.config, "--out", _out(p), "--check"]),
     "cli:overlap-sweep": Recipe("config", "", lambda p: ["overlap-sweep", p.config, "--out", _out(p), "--check"]),
     "cli:predict-sweep": Recipe("config", "", lambda p: ["predict-sweep", p.config, "--out", _out(p), "--check"]),
+    "cli:real-sweep": Recipe("config", "", lambda p: ["real-sweep", p.config, "--out", _out(p), "--check"]),
     "cli:convert-gguf": Recipe("gguf", "", lambda p: ["convert-gguf", p.gguf, "--out", _out(p)]),
     # models, task vectors, merges
     "mergecompose.composition.ComposedLM.from_pretrained": Recipe(
@@ -393,6 +394,14 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "mergecompose.merging.merge": _IN_MEMORY,
     "mergecompose.merging.TaskVector.from_state_dicts": _IN_MEMORY,
     "mergecompose.studies.chat_training.train_on_pairs": _WRITES,
+    "mergecompose.studies.chat_training.expert_key": "hashes a base folder's file names, sizes and times; reads "
+    "no contents",
+    "mergecompose.studies.chat_training.whole_folder": "reads the manifest of a folder this code wrote",
+    "mergecompose.studies.skill_pairs.RealSweepConfig": "a config model: names only; preflight_real_sweep checks "
+    "the base at the loading boundary (cli:real-sweep has a recipe)",
+    "mergecompose.studies.skill_pairs.check_expert_bar": "its `base` is the base's scores, not a path",
+    "mergecompose.studies.skill_pairs.run_real_sweep": "runs a config already checked by preflight_real_sweep "
+    "(cli:real-sweep has a recipe)",
 }
 
 # Entry points whose user files are all read by another entry point that has a recipe.

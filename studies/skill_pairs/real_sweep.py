@@ -1,0 +1,294 @@
+"""`mergecompose real-sweep`: the real settings from nothing: experts, their bars, every setting, its label.
+
+Stages, each timed and cached in the run folder, so an interrupted sweep resumes where it stopped, on this machine
+or another that is given the folder:
+
+1. **base**: a registry model by name (`fetch-model`, into the model cache) or a local folder;
+2. **experts**: one `SkillRecipe` expert per skill (`OUT/experts`, shared by every setting that uses it);
+3. **bars**: the base and each expert on the skill's own held-out test split (`OUT/bars`); an expert below its bar
+   stops the sweep there, before any setting is evaluated, in one line naming both scores;
+4. **settings**: each setting's `SettingRun` (`OUT/settings/<name>/cells`), its label, and its diagnostics: the
+   flat `unlabelled_diagnostics` of the composition's own rollouts on the joint validation prompts, with the
+   task-arithmetic merge at λ = 1 for the merge–compose gap and the experts' task vectors (`diagnostics.json`);
+5. **outputs**: results.json, results.md, and one plot per diagnostic against (best composition − best merge).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from mergecompose.analysis import OverlapSettings, rollout_batches
+from mergecompose.analysis.predict import unlabelled_diagnostics
+from mergecompose.composition.remedies import RemedySettings
+from mergecompose.core.boundary import check_checkpoint
+from mergecompose.core.io import StrictModel, atomic_write_text, markdown_table
+from mergecompose.experiments.compare_config import MergeGrid, fingerprint
+from mergecompose.experiments.run_folder import FolderLayout, RunFolder
+from mergecompose.integrations.gguf.fetch import MODELS, fetch_model
+from mergecompose.studies.math_code.chat_data import end_of_turn_id, generation_inputs
+from mergecompose.studies.skill_pairs.setting_run import SettingRun
+from mergecompose.studies.skill_pairs.skill_data import CONTENT_SKILLS, SKILLS, joint_items, skill_items
+from mergecompose.studies.skill_pairs.skill_experts import SkillRecipe, check_expert_bar, train_skill_expert
+
+CACHED = ("experts", "bars", "settings")
+REAL_FOLDER = FolderLayout("a real-sweep folder", cached=CACHED, leftovers=CACHED)
+
+
+class Sizes(StrictModel):
+    bar: int = Field(64, ge=1)  # each skill's held-out test items, for the bars
+    validation: int = Field(40, ge=1)  # joint validation items: the choices, and the diagnostics' prompts
+    test: int = Field(200, ge=1)  # joint test items: the label
+
+
+class RealSweepConfig(StrictModel):
+    """The real sweep (see the module docstring); `settings` are pairs `[first, second]` of skills."""
+
+    name: str = Field(min_length=1)
+    base: str = "smollm2-135m-instruct"
+    recipe: dict = Field(default_factory=dict)  # SkillRecipe's fields but the skill, shared by every expert
+    settings: list[tuple[str, str]] = Field(min_length=1)
+    sizes: Sizes = Field(default_factory=Sizes)
+    max_new_tokens: int = Field(48, ge=1)
+    batch_size: int = Field(32, ge=1)
+    merges: dict[str, MergeGrid] = Field(
+        default_factory=lambda: {
+            "task_arithmetic": MergeGrid(lam=[0.5, 1.0, 1.5]),
+            "ties": MergeGrid(lam=[1.0, 1.5], density=[0.5]),
+        }
+    )
+    weights: list[float] = Field(default_factory=lambda: [1.0, 0.75], min_length=1, max_length=3)
+    remedies: dict[str, RemedySettings] = Field(
+        default_factory=lambda: {"gate": RemedySettings(gate=0.1), "shared_delta": RemedySettings(shared_delta=True)}
+    )
+    diagnostics: OverlapSettings = Field(default_factory=OverlapSettings)
+    rollout_tokens: int = Field(32, ge=1)
+    seed: int = Field(0, ge=0)
+    # An expert below its bar stops the sweep (the default); false only records it (`below_bar`), for
+    # scaled-down copies whose experts train for a few steps.
+    require_real_experts: bool = True
+
+    @field_validator("settings")
+    @classmethod
+    def _known_skills(cls, settings: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        for index, (first, second) in enumerate(settings):
+            for skill in (first, second):
+                if skill not in SKILLS:
+                    raise ValueError(
+                        f"`settings[{index}]` names {skill!r}, a skill with no generator or scorer; "
+                        f"the skills are {', '.join(SKILLS)}"
+                    )
+            if first not in CONTENT_SKILLS:
+                raise ValueError(f"`settings[{index}]`: the first skill must be a content skill, got {first!r}")
+            if first == second:
+                raise ValueError(f"`settings[{index}]` must name two skills, got {first!r} twice")
+        if len(set(settings)) != len(settings):
+            raise ValueError("`settings` must not repeat a pair")
+        return settings
+
+    @model_validator(mode="after")
+    def _recipe_and_grids(self) -> RealSweepConfig:
+        for skill in self.skills:
+            SkillRecipe(skill=skill, **self.recipe)  # refuses an unknown or bad field, naming it
+        for method, grid in self.merges.items():
+            if len(grid.candidates()) > 3:
+                raise ValueError(f"`merges.{method}` must have at most 3 grid points, got {len(grid.candidates())}")
+        return self
+
+    @property
+    def skills(self) -> list[str]:
+        return list(dict.fromkeys(skill for pair in self.settings for skill in pair))
+
+    def setting_name(self, pair: tuple[str, str]) -> str:
+        return f"{pair[0]}+{pair[1]}"
+
+
+def base_folder(base: str) -> str:
+    """A registry model's folder (fetched into the model cache once), or `base` itself: a folder or a hub id."""
+    return str(fetch_model(base)) if base in MODELS else base
+
+
+def preflight_real_sweep(config: RealSweepConfig) -> None:
+    """What can be checked before any work: the base, a registry model's name or a checkpoint (folder or hub id,
+    checked at the loading boundary); the config checked itself."""
+    if config.base not in MODELS:
+        check_checkpoint(config.base, "base")
+
+
+def run_real_sweep(
+    config: RealSweepConfig, out_dir: str | os.PathLike, overwrite: bool = False, progress: bool = True, echo=print
+) -> dict:
+    """Run every stage (see the module docstring), resuming from what `out_dir` holds; returns results.json."""
+    preflight_real_sweep(config)
+    run = RunFolder(out_dir, REAL_FOLDER)
+    config_hash = fingerprint(config.model_dump(mode="json"))
+    with run.claim(config_hash, overwrite):
+        with run.stage("base"):
+            base = base_folder(config.base)
+        experts = {}
+        with run.stage("experts"):
+            for skill in config.skills:
+                recipe = SkillRecipe(skill=skill, **config.recipe)
+                experts[skill] = train_skill_expert(base, recipe, run.path, progress=progress)
+                if echo is not None:
+                    echo(f"expert {skill}: {experts[skill].name}")
+        with run.stage("bars"):
+            bars = {skill: expert_scores(config, base, skill, experts[skill], run.path) for skill in config.skills}
+            below_bar = []
+            for skill, scores in bars.items():
+                try:
+                    check_expert_bar(skill, scores["base"], scores["expert"])
+                except ValueError:
+                    if config.require_real_experts:
+                        raise
+                    below_bar.append(skill)
+        settings = []
+        for pair in config.settings:
+            with run.stage(f"setting {config.setting_name(pair)}"):
+                settings.append(setting_record(config, base, pair, experts, run.path, progress))
+            if echo is not None:
+                echo(f"{config.setting_name(pair)}: {settings[-1]['outcome']['label']}")
+        results = {
+            "name": config.name,
+            "config_hash": config_hash,
+            "bars": bars,
+            "below_bar": below_bar,
+            "settings": settings,
+            "stage_seconds": run.timings,
+            "seconds": run.elapsed(digits=1),
+        }
+        run.write_json("results.json", results)
+        run.write_text("results.md", results_markdown(results))
+        run.write_config(config)
+    return results
+
+
+def expert_scores(config: RealSweepConfig, base: str, skill: str, expert: Path, root: Path) -> dict:
+    """The base's and the expert's lenient and strict scores on `skill`'s own held-out test split (cached)."""
+    items = skill_items(skill, "test", config.sizes.bar, config.seed)
+    setting = SettingRun(
+        base,
+        {skill: expert},
+        root / "bars" / skill,
+        config.max_new_tokens,
+        config.batch_size,
+        progress=False,
+    )
+    scores = {}
+    for system, build in (("base", lambda: setting.base), ("expert", lambda: setting.expert_model(skill))):
+        cell = setting.cell(system, "test", items, build)
+        scores[system] = {"lenient": cell["accuracy"], "strict": cell["strict_accuracy"]}
+    return scores
+
+
+def setting_record(
+    config: RealSweepConfig, base: str, pair: tuple[str, str], experts: dict, root: Path, progress: bool
+) -> dict:
+    """One setting: its systems' scores, its label, and its diagnostics (cached in its folder)."""
+    name = config.setting_name(pair)
+    folder = root / "settings" / name
+    started = time.perf_counter()
+    setting = SettingRun(
+        base, {skill: experts[skill] for skill in pair}, folder, config.max_new_tokens, config.batch_size, progress
+    )
+    validation = joint_items(*pair, "validation", config.sizes.validation, config.seed)
+    test = joint_items(*pair, "test", config.sizes.test, config.seed)
+    merges = {method: grid.candidates() for method, grid in config.merges.items()}
+    record = {
+        "name": name,
+        "skills": list(pair),
+        **setting.run(validation, test, merges, config.weights, config.remedies),
+    }
+    record["diagnostics"] = setting_diagnostics(config, setting, validation, folder)
+    chosen = record["chosen"]
+    record["compose_minus_merge"] = (
+        record["test"][chosen["compose"]["system"]]["accuracy"] - record["test"][chosen["merge"]["system"]]["accuracy"]
+    )
+    record["seconds"] = round(time.perf_counter() - started, 1)
+    return record
+
+
+def setting_diagnostics(config: RealSweepConfig, setting: SettingRun, items, folder: Path) -> dict:
+    """`unlabelled_diagnostics` of the composition (weights 1) on its own rollouts of the validation prompts."""
+    path = folder / "diagnostics.json"
+    if path.is_file():
+        return json.loads(path.read_text(encoding="utf-8"))
+    stop = end_of_turn_id(setting.tokenizer)
+    prompts = [item.prompt for item in items]
+    batches = [generation_inputs(setting.tokenizer, prompts[i : i + 8]) for i in range(0, len(prompts), 8)]
+    merged = setting.merged_model("task_arithmetic", {"lam": 1.0})
+    task_vectors = dict(zip(setting.experts, setting.task_vectors()))
+    with setting.composed([1.0, 1.0]) as composed:
+        rollouts = rollout_batches(
+            composed, batches, max_new_tokens=config.rollout_tokens, eos_token_id=stop, pad_token_id=stop
+        )
+        flat, _ = unlabelled_diagnostics(composed, rollouts, merged, task_vectors, config.diagnostics)
+    flat = {key: (None if value is None or value != value else float(value)) for key, value in flat.items()}
+    atomic_write_text(path, json.dumps(flat, indent=1) + "\n")
+    return flat
+
+
+def results_markdown(results: dict) -> str:
+    """The bars, then one row per setting: its label, the test accuracies, and a few diagnostics."""
+    return f"# {results['name']}\n\n" + real_settings_table(results)
+
+
+def real_settings_table(results: dict) -> str:
+    """The experts' bars and the settings' table, as markdown."""
+    lines = ["## Experts", ""]
+    rows = [
+        [
+            skill,
+            _pct(s["base"]["lenient"]),
+            _pct(s["base"]["strict"]),
+            _pct(s["expert"]["lenient"]),
+            _pct(s["expert"]["strict"]),
+        ]
+        for skill, s in results["bars"].items()
+    ]
+    lines.append(markdown_table(["skill", "base lenient", "base strict", "expert lenient", "expert strict"], rows))
+    lines += ["", "## Settings (joint test split, lenient)", ""]
+    rows = []
+    for record in results["settings"]:
+        test, chosen, outcome = record["test"], record["chosen"], record["outcome"]
+        first, second = record["skills"]
+        rows.append(
+            [
+                record["name"],
+                outcome["label"],
+                f"{outcome['p_value']:.3g}",
+                _pct(test["base"]["accuracy"]),
+                _pct(test[f"expert:{first}"]["accuracy"]),
+                _pct(test[f"expert:{second}"]["accuracy"]),
+                f"{chosen['merge']['system']} {_pct(test[chosen['merge']['system']]['accuracy'])}",
+                f"{chosen['compose']['system']} {_pct(test[chosen['compose']['system']]['accuracy'])}",
+                _number(record["diagnostics"].get("merge_compose_kl")),
+                _number(record["diagnostics"].get("top1_shift_rate_mean")),
+            ]
+        )
+    header = [
+        "setting",
+        "label",
+        "p",
+        "base",
+        "expert 1",
+        "expert 2",
+        "best merge",
+        "best composition",
+        "merge_compose_kl",
+        "top1_shift_rate_mean",
+    ]
+    lines.append(markdown_table(header, rows))
+    return "\n".join(lines) + "\n"
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.1f}"
+
+
+def _number(value) -> str:
+    return "–" if value is None else f"{value:.3g}"

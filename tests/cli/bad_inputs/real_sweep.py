@@ -1,0 +1,63 @@
+"""Bad input to `mergecompose real-sweep`, refused by its pre-flight before any expert trains."""
+
+from __future__ import annotations
+
+import yaml
+
+from bad_inputs import Case, Cli
+
+VALID = {
+    "name": "bad",
+    "base": "smollm2-135m-instruct",
+    "settings": [["units", "json"]],
+}
+
+
+def _config(**changes):
+    def build(env):
+        config = {**VALID, **changes}
+        path = env.tmp / "real.yaml"
+        path.write_text(yaml.safe_dump(config))
+        return Cli(["real-sweep", str(path), "--out", str(env.tmp / "out")], inputs=[path])
+
+    return build
+
+
+CASES = [
+    Case(
+        "real-sweep-a-part-without-a-scorer",
+        "clear",
+        _config(settings=[["units", "french"]]),
+        r"`settings\[0\]` names 'french', a skill with no generator or scorer; the skills are units, dates",
+    ),
+    Case(
+        "real-sweep-a-format-first",
+        "clear",
+        _config(settings=[["json", "units"]]),
+        r"`settings\[0\]`: the first skill must be a content skill, got 'json'",
+    ),
+    Case(
+        "real-sweep-one-skill-twice",
+        "clear",
+        _config(settings=[["units", "units"]]),
+        r"`settings\[0\]` must name two skills, got 'units' twice",
+    ),
+    Case(
+        "real-sweep-a-recipe-field-that-does-not-exist",
+        "clear",
+        _config(recipe={"stepz": 10}),
+        r"stepz.*extra",
+    ),
+    Case(
+        "real-sweep-a-grid-of-four-points",
+        "clear",
+        _config(merges={"task_arithmetic": {"lam": [0.25, 0.5, 1.0, 1.5]}}),
+        r"`merges.task_arithmetic` must have at most 3 grid points, got 4",
+    ),
+    Case(
+        "real-sweep-a-base-that-is-neither",
+        "clear",
+        _config(base="./no_such_folder"),
+        r"`base` '\./no_such_folder': no such folder",
+    ),
+]

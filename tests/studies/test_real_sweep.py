@@ -1,0 +1,101 @@
+"""`mergecompose real-sweep`, scaled down, end to end on the real SmolLM2: experts, bars, a setting, its label.
+
+The scaled copy trains its two experts for 3 steps at a learning rate too small to teach anything, so they sit
+at the base's scores: the default config refuses them at their bar, after training and before any setting;
+with `require_real_experts: false` the sweep goes on and records them as below the bar.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from mergecompose.cli import main
+from mergecompose.studies.predict.paired_outcome import paired_outcome
+from mergecompose.studies.skill_pairs import skill_experts
+
+SKILLS = ["units", "json"]
+
+
+def scaled_config(base, **changes) -> dict:
+    return {
+        "name": "real_scaled",
+        "base": str(base),
+        "recipe": {"examples": 8, "steps": 3, "batch_size": 2, "rank": 4, "alpha": 8, "learning_rate": 1.0e-7},
+        "settings": [SKILLS],
+        "sizes": {"bar": 4, "validation": 3, "test": 5},
+        "max_new_tokens": 10,
+        "batch_size": 8,
+        "merges": {"task_arithmetic": {"lam": [1.0]}},
+        "weights": [1.0],
+        "remedies": {"gate": {"gate": 0.1}},
+        "rollout_tokens": 6,
+        **changes,
+    }
+
+
+@pytest.fixture(scope="module")
+def sweep(smollm2_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("real_sweep")
+    strict, lenient = root / "strict.yaml", root / "lenient.yaml"
+    strict.write_text(yaml.safe_dump(scaled_config(smollm2_dir)))
+    lenient.write_text(yaml.safe_dump(scaled_config(smollm2_dir, require_real_experts=False)))
+    return root, strict, lenient
+
+
+def test_an_expert_below_its_bar_stops_the_sweep_before_any_setting(sweep, capsys):
+    root, strict, _ = sweep
+    assert main(["real-sweep", str(strict), "--out", str(root / "out"), "--quiet"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("mergecompose real-sweep: error: the `units` expert is below its bar: lenient ")
+    assert "against the base's" in line and "(strict " in line
+    assert sorted(path.name.split("-")[0] for path in (root / "out" / "experts").iterdir()) == sorted(SKILLS)
+    assert not (root / "out" / "settings").exists()  # no setting was evaluated
+    assert not (root / "out" / "results.json").exists()
+
+
+def test_the_scaled_sweep_end_to_end(sweep, capsys):
+    root, strict, lenient = sweep
+    out = root / "out"
+    assert main(["real-sweep", str(lenient), "--out", str(out), "--quiet", "--overwrite"]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["below_bar"] == SKILLS
+    assert set(results["bars"]) == set(SKILLS)
+    (record,) = results["settings"]
+    assert record["name"] == "units+json" and record["skills"] == SKILLS
+    merge, compose = record["chosen"]["merge"]["system"], record["chosen"]["compose"]["system"]
+    assert merge == "merge:task_arithmetic@lam=1"
+    assert compose in ("compose@1", "compose+gate")
+    cells = {
+        name: json.loads((out / "settings" / "units+json" / "cells" / f"{name}--test.json").read_text())
+        for name in record["test"]
+    }
+    assert record["outcome"] == paired_outcome(cells[merge]["right"], cells[compose]["right"]).to_dict()
+    assert record["compose_minus_merge"] == record["test"][compose]["accuracy"] - record["test"][merge]["accuracy"]
+    for key in ("top1_shift_rate_mean", "merge_compose_kl", "projective_error_dominant", "coactivation_rate@0.1"):
+        assert key in record["diagnostics"], key
+    assert record["diagnostics"]["merge_compose_kl"] is not None and record["diagnostics"]["merge_compose_kl"] >= 0
+    assert {"base", "experts", "bars", "setting units+json"} <= set(results["stage_seconds"])
+    assert "units+json" in printed and record["outcome"]["label"] in printed
+    assert "units+json" in (out / "results.md").read_text()
+
+
+def test_a_rerun_resumes_from_the_folder(sweep, monkeypatch, capsys):
+    root, _, lenient = sweep
+    out = root / "out"
+    before = json.loads((out / "results.json").read_text())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached expert was trained again")
+
+    monkeypatch.setattr(skill_experts, "train_on_pairs", refuse)
+    assert main(["real-sweep", str(lenient), "--out", str(out), "--quiet"]) == 0
+    after = json.loads((out / "results.json").read_text())
+    for result in (before, after):
+        result.pop("stage_seconds"), result.pop("seconds")
+        for record in result["settings"]:
+            record.pop("seconds")
+    assert after == before
