@@ -11,10 +11,14 @@ import json
 
 import pytest
 import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.cli import main
+from mergecompose.studies.math_code.chat_data import generation_inputs
 from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.skill_pairs import skill_experts
+from mergecompose.studies.skill_pairs.skill_data import joint_items
+from mergecompose.studies.skill_pairs.skill_scoring import score_item
 
 SKILLS = ["units", "json"]
 
@@ -74,6 +78,17 @@ def test_the_scaled_sweep_end_to_end(sweep, capsys):
         for name in record["test"]
     }
     assert record["outcome"] == paired_outcome(cells[merge]["right"], cells[compose]["right"]).to_dict()
+    # The choices: the best validation accuracy of each kind, the first of the highest in grid order.
+    assert list(record["chosen"]["compose"]["validation"]) == ["compose@1", "compose+gate"]
+    for kind in ("merge", "compose"):
+        scores = record["chosen"][kind]["validation"]
+        assert record["chosen"][kind]["system"] == next(n for n, s in scores.items() if s == max(scores.values()))
+    # Each test cell: the joint test items, scored again here from its outputs.
+    test = joint_items("units", "json", "test", 5)
+    for name, cell in cells.items():
+        assert cell["prompts"] == [item.prompt for item in test]
+        assert cell["right"] == [score_item(item, output).lenient for item, output in zip(test, cell["outputs"])]
+        assert record["test"][name]["accuracy"] == sum(cell["right"]) / len(test)
     assert record["compose_minus_merge"] == record["test"][compose]["accuracy"] - record["test"][merge]["accuracy"]
     for key in ("top1_shift_rate_mean", "merge_compose_kl", "projective_error_dominant", "coactivation_rate@0.1"):
         assert key in record["diagnostics"], key
@@ -81,6 +96,19 @@ def test_the_scaled_sweep_end_to_end(sweep, capsys):
     assert {"base", "experts", "bars", "setting units+json"} <= set(results["stage_seconds"])
     assert "units+json" in printed and record["outcome"]["label"] in printed
     assert "units+json" in (out / "results.md").read_text()
+
+
+def test_the_base_cell_is_plain_greedy_generation(sweep, smollm2_dir):
+    """After the compositions were built on it and closed, the base answers as a fresh copy does."""
+    root, _, _ = sweep
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    prompts = [item.prompt for item in joint_items("units", "json", "test", 5)]
+    inputs = generation_inputs(tokenizer, prompts)
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=10, pad_token_id=2, eos_token_id=2)
+    expected = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    cell = json.loads((root / "out" / "settings" / "units+json" / "cells" / "base--test.json").read_text())
+    assert cell["outputs"] == expected
 
 
 def test_a_rerun_resumes_from_the_folder(sweep, monkeypatch, capsys):
