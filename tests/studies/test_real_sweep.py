@@ -8,6 +8,7 @@ with `require_real_experts: false` the sweep goes on and records them as below t
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -53,7 +54,9 @@ def test_an_expert_below_its_bar_stops_the_sweep_before_any_setting(sweep, capsy
     root, strict, _ = sweep
     assert main(["real-sweep", str(strict), "--out", str(root / "out"), "--quiet"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("mergecompose real-sweep: error: the `units` expert is below its bar: lenient ")
+    # The first skill to miss its bar is named: `units`; were a near-tie to flip one of its four items (25 points),
+    # `json` would still miss its bar: neither the base nor this expert writes its format.
+    assert re.match(r"mergecompose real-sweep: error: the `(units|json)` expert is below its bar: lenient ", line)
     assert "against the base's" in line and "(strict " in line
     assert sorted(path.name.split("-")[0] for path in (root / "out" / "experts").iterdir()) == sorted(SKILLS)
     assert not (root / "out" / "settings").exists()  # no setting was evaluated
