@@ -1,4 +1,5 @@
-"""The studies' sweeps: `mergecompose skills-sweep`, `overlap-sweep`, `predict-sweep` and `real-sweep`."""
+"""The studies' sweeps: `mergecompose skills-sweep`, `overlap-sweep` and `predict-sweep` (`real-sweep`, which needs
+the real-model extra, is in `mergecompose.studies.skill_pairs.real_sweep_command`)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,6 @@ from mergecompose.experiments.compare import synthetic_checkpoint_bytes
 from mergecompose.studies.letters.overlap_sweep import SweepConfig, preflight_overlap_sweep, run_sweep
 from mergecompose.studies.predict import PredictConfig, preflight_predict, run_predict_sweep
 from mergecompose.studies.predict.predict_report import ranked
-from mergecompose.studies.skill_pairs.real_sweep import (
-    RealSweepConfig,
-    preflight_real_sweep,
-    real_settings_table,
-    run_real_sweep,
-)
 from mergecompose.studies.skills.skills_sweep import load_sweep_configs, run_skills_sweep
 
 
@@ -87,22 +82,6 @@ def add_commands(subparsers) -> None:
     )
     declare_paths(predict, configs=("config",))
     predict.set_defaults(func=run_predict_sweep_command, preflight=preflight_predict_sweep_command)
-
-    real = subparsers.add_parser(
-        "real-sweep",
-        help="real settings: one-skill LoRA experts on SmolLM2, pairs of them merged and composed, each labelled "
-        "merge, compose or either",
-    )
-    real.add_argument("config", help="a real-sweep YAML (RealSweepConfig), e.g. configs/real_settings.yaml")
-    add_common_flags(
-        real,
-        out="sweep folder: results.json, results.md, plots, the experts and every cell (a rerun resumes from them)",
-        out_required=True,
-        overwrite="replace the results of another config in --out",
-        check=True,
-    )
-    declare_paths(real, configs=("config",))
-    real.set_defaults(func=run_real_sweep_command, preflight=preflight_real_sweep_command)
 
 
 def preflight_skills_sweep_command(args):
@@ -196,21 +175,4 @@ def run_predict_sweep_command(args) -> int:
     )
     if not args.quiet:
         print(f"\nwrote {args.out}/predict.json, predict.md, predict_rule.json, config.yaml and scatter plots")
-    return 0
-
-
-def preflight_real_sweep_command(args) -> RealSweepConfig:
-    config = load_yaml_config(args.config, RealSweepConfig, "real-sweep config")
-    preflight_real_sweep(config)
-    return config
-
-
-def run_real_sweep_command(args) -> int:
-    transformers_logging.disable_progress_bar()
-    results = run_real_sweep(
-        args.prepared, args.out, overwrite=args.overwrite, progress=not args.quiet, echo=None if args.quiet else print
-    )
-    print(real_settings_table(results))
-    if not args.quiet:
-        print(f"\nwrote {args.out}/results.json, results.md, config.yaml")
     return 0

@@ -30,6 +30,7 @@ _COMMAND_MODULES = [
 _OPTIONAL_COMMAND_MODULES = {
     "mergecompose.integrations.lm_eval.lm_eval_command": ("lm_eval", "lm-eval", "lm-eval"),
     "mergecompose.integrations.gguf.gguf_commands": ("gguf", ("fetch-model", "convert-gguf"), "real-model"),
+    "mergecompose.studies.skill_pairs.real_sweep_command": ("gguf", "real-sweep", "real-model"),
 }
 
 # Errors caused by the user's input, reported in one line, whatever their type. ValueError covers pydantic's
