@@ -161,10 +161,9 @@ def train_expert(
 ) -> Path:
     """The expert of `recipe` trained from the checkpoint folder `base`: a peft adapter folder (`kind: lora`)
     or a full checkpoint with the base's tokenizer (`kind: full`), from the cache or trained now."""
-    found = cached_expert(base, recipe, cache)
-    if found is not None:
-        return found
-    folder = expert_folder(base, recipe, cache)
+    folder = expert_folder(base, recipe, cache)  # its key draws every training problem: once
+    if whole_folder(folder) is not None:
+        return folder
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     started = time.perf_counter()

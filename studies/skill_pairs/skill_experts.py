@@ -43,24 +43,18 @@ def skill_expert_folder(base: str | os.PathLike, recipe: SkillRecipe, cache: str
     return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
 
 
-def cached_skill_expert(base: str | os.PathLike, recipe: SkillRecipe, cache: str | os.PathLike) -> Path | None:
-    """The trained expert's folder if the cache holds it whole (its manifest checks out), else None."""
-    return whole_folder(skill_expert_folder(base, recipe, cache))
-
-
 def train_skill_expert(
     base: str | os.PathLike, recipe: SkillRecipe, cache: str | os.PathLike, *, progress: bool = True
 ) -> Path:
     """The expert of `recipe` trained from the checkpoint folder `base`, from the cache or trained now."""
-    found = cached_skill_expert(base, recipe, cache)
-    if found is not None:
-        return found
+    folder = skill_expert_folder(base, recipe, cache)  # its key draws every training item: once
+    if whole_folder(folder) is not None:
+        return folder
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     pairs = [(item.prompt, item.answer) for item in training_items(recipe)]
     record = {"base": str(base), "examples": {"kept": len(pairs)}}
-    folder = skill_expert_folder(base, recipe, cache)
     return train_on_pairs(model, tokenizer, pairs, recipe, folder, f"{recipe.skill} expert", progress, record, started)
 
 
