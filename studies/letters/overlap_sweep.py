@@ -182,15 +182,22 @@ def allowed_outputs(text: str, replace_a: dict[str, str], replace_b: dict[str, s
     return [conflicts.get(c, {prefix_map.get(c, c)}) for c in text]
 
 
+def joint_rights(
+    outputs: list[str], sources: list[str], replace_a: dict[str, str], replace_b: dict[str, str]
+) -> list[bool]:
+    """Per output: of the right length, and every character allowed (`allowed_outputs`)."""
+    rights = []
+    for output, text in zip(outputs, sources, strict=True):
+        allowed = allowed_outputs(text, replace_a, replace_b)
+        rights.append(len(output) == len(text) and all(c in ok for c, ok in zip(output, allowed)))
+    return rights
+
+
 def joint_accuracy(
     outputs: list[str], sources: list[str], replace_a: dict[str, str], replace_b: dict[str, str]
 ) -> float:
-    """Share of outputs of the right length whose every character is allowed (`allowed_outputs`)."""
-    correct = 0
-    for output, text in zip(outputs, sources, strict=True):
-        allowed = allowed_outputs(text, replace_a, replace_b)
-        correct += len(output) == len(text) and all(c in ok for c, ok in zip(output, allowed))
-    return correct / len(sources)
+    """Share of outputs of the right length whose every character is allowed (`joint_rights`)."""
+    return sum(joint_rights(outputs, sources, replace_a, replace_b)) / len(sources)
 
 
 def greedy_pair_outputs(model: ScoredModel, sources, fmt, tokenizer, batch_size) -> list[str]:

@@ -27,7 +27,7 @@ from mergecompose.studies.letters.overlap_sweep import relative_to_config
 from mergecompose.studies.skills.skills_task_type import SkillsTaskSettings
 
 # Bump when what a setting's results mean changes: the cached per-setting results are keyed by it.
-SWEEP_VERSION = 1
+SWEEP_VERSION = 2  # 2: the paired label (`paired`), with each item's right/wrong
 
 
 class SettingSpec(StrictModel):

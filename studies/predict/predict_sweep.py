@@ -8,7 +8,10 @@ For every setting (an expert set from one of the families of `PredictConfig`):
   task-arithmetic merge at λ = 1, the parameter-space measures, the proxy-owner statistics);
 * **outcomes, labelled**: exact match on held-out joint inputs of plain composition, of each
   remedy (the best is `best_remedy`), of the best merge (every grid point of `merges` scored on a
-  validation set, the best one on the test set), and of each expert on its own skill.
+  validation set, the best one on the test set), and of each expert on its own skill;
+* **the paired label** (`mergecompose.studies.predict.paired_outcome`, the same as the real settings'): the best
+  merge against the best composition (plain or a remedy, chosen on the validation inputs) on the same test
+  inputs, exact McNemar: "merge", "compose" or "either"; each system's right/wrong per test input is kept.
 
 Each setting's record is written to `OUT/settings/<name>.json` as soon as it is done, keyed by a
 hash of everything it depends on, so an interrupted sweep resumes where it stopped and a
@@ -38,7 +41,7 @@ from mergecompose.experiments.trained_models import Components, prepare_componen
 from mergecompose.merging import TaskVector
 from mergecompose.studies.letters.letters_task_type import LettersTaskSettings
 from mergecompose.studies.letters.overlap import pair_strings, prompt_batches
-from mergecompose.studies.letters.overlap_sweep import greedy_pair_outputs, joint_accuracy
+from mergecompose.studies.letters.overlap_sweep import greedy_pair_outputs, joint_accuracy, joint_rights
 from mergecompose.studies.predict.predict_config import (
     SWEEP_VERSION,
     FamilySpec,
@@ -46,6 +49,7 @@ from mergecompose.studies.predict.predict_config import (
     SettingSpec,
     preflight_predict,
 )
+from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.predict.predict_report import write_outputs
 from mergecompose.studies.predict.stats import analyse
 
@@ -187,13 +191,18 @@ class _Scorer:
             self.prompts = list(self.validation_set.sources[: config.diagnostic_prompts])
             self.max_new_tokens = task.max_target_length(length) + 2
 
-    def joint(self, model: ScoredModel, validation: bool = False) -> float:
+    def joint_rights(self, model: ScoredModel, validation: bool = False) -> list[bool]:
+        """Right or wrong on each joint input, in order (the test inputs, or the validation inputs)."""
         if self.letters:
             sources = self.validation if validation else self.test
             outputs = greedy_pair_outputs(model, sources, self.fmt, self.tokenizer, self.batch_size)
-            return joint_accuracy(outputs, sources, *self.rules.values())
+            return joint_rights(outputs, sources, *self.rules.values())
         eval_set = self.validation_set if validation else self.test_set
-        return float(score(model, eval_set, self.fmt, self.tokenizer, self.batch_size).correct.mean())
+        return [bool(right) for right in score(model, eval_set, self.fmt, self.tokenizer, self.batch_size).correct]
+
+    def joint(self, model: ScoredModel, validation: bool = False) -> float:
+        rights = self.joint_rights(model, validation)
+        return sum(rights) / len(rights)
 
     def own(self, name: str, model: ScoredModel) -> float:
         if self.letters:
@@ -221,7 +230,7 @@ def measure_setting(
     components: Components,
     progress: bool = False,
 ) -> dict:
-    """`{"experts": [...], "diagnostics": {...}, "outcomes": {...}, "merge_chosen": {...}}` for one setting."""
+    """`{"experts", "diagnostics", "outcomes", "best_remedy_name", "merge_chosen", "paired"}` for one setting."""
     scorer = _Scorer(compare, setting, components, config)
     names = scorer.names
     base = components.load_base()
@@ -240,12 +249,16 @@ def measure_setting(
         composed, rolled, merged_model=lam_one, task_vectors=task_vectors, settings=config.overlap, progress=False
     )
 
-    # Outcomes: exact match against the gold targets.
+    # Outcomes: exact match against the gold targets. Every composition (plain, and each remedy) is scored on
+    # the test inputs and on the validation inputs: the paired label's composition is chosen on validation.
     eos = tokenizer.eos_token_id
-    outcomes = {"compose": scorer.joint(ComposedModel(composed))}
-    remedies = {
-        name: scorer.joint(ComposedModel(composition(remedy.build(eos)))) for name, remedy in config.remedies.items()
-    }
+    compositions = {"compose": composed}
+    compositions.update({name: composition(remedy.build(eos)) for name, remedy in config.remedies.items()})
+    test_rights = {name: scorer.joint_rights(ComposedModel(model)) for name, model in compositions.items()}
+    validation = {name: scorer.joint(ComposedModel(model), validation=True) for name, model in compositions.items()}
+    tested = {name: sum(rights) / len(rights) for name, rights in test_rights.items()}
+    outcomes = {"compose": tested["compose"]}
+    remedies = {name: tested[name] for name in config.remedies}
     best_remedy = max(remedies, key=remedies.get)
 
     def merge_system(method: str, params: dict) -> System:
@@ -257,7 +270,10 @@ def measure_setting(
     )
     best = best_record(candidates)
     outcomes["best_remedy"] = remedies[best_remedy]
-    outcomes["best_merge"] = scorer.joint(SingleModel(merged_model(base, models, best["method"], best["params"], 0)))
+    merge_rights = scorer.joint_rights(SingleModel(merged_model(base, models, best["method"], best["params"], 0)))
+    outcomes["best_merge"] = sum(merge_rights) / len(merge_rights)
+    chosen = max(validation, key=validation.get)  # the first of the highest: plain composition, then the remedies
+    paired = paired_outcome(merge_rights, test_rights[chosen])
     outcomes["experts"] = {name: scorer.own(name, SingleModel(model)) for name, model in zip(names, models)}
     outcomes["remedies"] = remedies
     return {
@@ -266,4 +282,11 @@ def measure_setting(
         "outcomes": outcomes,
         "best_remedy_name": best_remedy,
         "merge_chosen": {"method": best["method"], **best["params"], "validation": best["score"]},
+        "paired": {
+            "composition": chosen,
+            "composition_validation": validation,
+            **paired.to_dict(),
+            "merge_rights": merge_rights,
+            "compose_rights": test_rights[chosen],
+        },
     }

@@ -31,6 +31,7 @@ from mergecompose.composition import ComposedLM
 from mergecompose.composition.rule import compose_logprobs
 from mergecompose.experiments.trained_models import prepare_components
 from mergecompose.studies.predict import PredictConfig
+from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.predict.predict_config import SettingSpec
 from mergecompose.studies.predict.predict_sweep import measure_setting
 from mergecompose.studies.predict.stats import (
@@ -245,6 +246,17 @@ def test_predict_sweep_writes_the_schema_the_issue_names(small_sweep):
             assert 0.0 <= outcomes[key] <= 1.0
         assert set(outcomes["experts"]) == set(setting["experts"])
         assert outcomes["best_remedy"] == max(outcomes["remedies"].values())
+        # The paired label: the best merge against the composition chosen on validation, item by item.
+        paired = setting["paired"]
+        validation = paired["composition_validation"]
+        assert set(validation) == {"compose", *outcomes["remedies"]}
+        assert paired["composition"] == max(validation, key=validation.get)
+        tested = {"compose": outcomes["compose"], **outcomes["remedies"]}
+        assert sum(paired["compose_rights"]) / len(paired["compose_rights"]) == tested[paired["composition"]]
+        assert sum(paired["merge_rights"]) / len(paired["merge_rights"]) == outcomes["best_merge"]
+        assert len(paired["merge_rights"]) == SMALL["test_size"]
+        expected = paired_outcome(paired["merge_rights"], paired["compose_rights"]).to_dict()
+        assert {key: paired[key] for key in expected} == expected
         assert {
             "coactivation_rate@0.1",
             "mass_overlap_max",
