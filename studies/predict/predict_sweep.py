@@ -42,6 +42,7 @@ from mergecompose.merging import TaskVector
 from mergecompose.studies.letters.letters_task_type import LettersTaskSettings
 from mergecompose.studies.letters.overlap import pair_strings, prompt_batches
 from mergecompose.studies.letters.overlap_sweep import greedy_pair_outputs, joint_accuracy, joint_rights
+from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.predict.predict_config import (
     SWEEP_VERSION,
     FamilySpec,
@@ -49,7 +50,6 @@ from mergecompose.studies.predict.predict_config import (
     SettingSpec,
     preflight_predict,
 )
-from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.predict.predict_report import write_outputs
 from mergecompose.studies.predict.stats import analyse
 
