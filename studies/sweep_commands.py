@@ -1,5 +1,6 @@
 """The studies' sweeps: `mergecompose skills-sweep`, `overlap-sweep` and `predict-sweep` (`real-sweep`, which needs
-the real-model extra, is in `mergecompose.studies.skill_pairs.real_sweep_command`)."""
+the real-model extra, is in `mergecompose.studies.skill_pairs.real_sweep_command`), and `fit-verdict`, the paired
+verdict fitted on their results."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from mergecompose.core.io import load_yaml_config, markdown_table
 from mergecompose.experiments.compare import synthetic_checkpoint_bytes
 from mergecompose.studies.letters.overlap_sweep import SweepConfig, preflight_overlap_sweep, run_sweep
 from mergecompose.studies.predict import PredictConfig, preflight_predict, run_predict_sweep
+from mergecompose.studies.predict.paired_verdict import BASELINES
+from mergecompose.studies.predict.paired_verdict_report import run_fit_verdict
 from mergecompose.studies.predict.predict_report import ranked
 from mergecompose.studies.skills.skills_sweep import load_sweep_configs, run_skills_sweep
 
@@ -82,6 +85,26 @@ def add_commands(subparsers) -> None:
     )
     declare_paths(predict, configs=("config",))
     predict.set_defaults(func=run_predict_sweep_command, preflight=preflight_predict_sweep_command)
+
+    verdict = subparsers.add_parser(
+        "fit-verdict",
+        help="merge or compose? fit the paired verdict on predict-sweep and real-sweep results; score it held out "
+        "(no setting scored by a rule fitted on a setting sharing its experts) against three baselines",
+    )
+    verdict.add_argument(
+        "--predict", action="append", default=[], metavar="DIR", help="a finished predict-sweep folder (repeatable)"
+    )
+    verdict.add_argument(
+        "--real", action="append", default=[], metavar="DIR", help="a finished real-sweep folder (repeatable)"
+    )
+    add_common_flags(
+        verdict,
+        out="folder: verdict.json, verdict.md, paired_rule.json, diagnostics_vs_gap.png",
+        out_required=True,
+        overwrite="replace the results of other sweeps in --out",
+    )
+    declare_paths(verdict, inputs=("predict", "real"))
+    verdict.set_defaults(func=run_fit_verdict_command)
 
 
 def preflight_skills_sweep_command(args):
@@ -175,4 +198,18 @@ def run_predict_sweep_command(args) -> int:
     )
     if not args.quiet:
         print(f"\nwrote {args.out}/predict.json, predict.md, predict_rule.json, config.yaml and scatter plots")
+    return 0
+
+
+def run_fit_verdict_command(args) -> int:
+    results = run_fit_verdict(args.predict, args.real, args.out, overwrite=args.overwrite)
+    for subset in ("real", "all"):
+        report = results["heldout"][subset]
+        if not report["rule"]["n"]:
+            continue
+        cells = [f"rule {format_number(report['rule']['accuracy'])} {report['rule']['ci95']}"]
+        cells += [f"{name} {format_number(report['baselines'][name]['accuracy'])}" for name in BASELINES]
+        print(f"{subset} settings, held out (n = {report['rule']['n']}): " + ", ".join(cells))
+    if not args.quiet:
+        print(f"\nwrote {args.out}/verdict.json, verdict.md, paired_rule.json, diagnostics_vs_gap.png")
     return 0

@@ -31,6 +31,8 @@ from mergecompose.experiments.compare_config import MergeGrid, fingerprint
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
 from mergecompose.integrations.gguf.fetch import MODELS, fetch_model
 from mergecompose.studies.math_code.chat_data import end_of_turn_id, generation_inputs
+from mergecompose.studies.predict.paired_verdict import real_settings
+from mergecompose.studies.predict.paired_verdict_report import GAP_PLOT, plot_diagnostics_against_gap
 from mergecompose.studies.skill_pairs.setting_run import SettingRun
 from mergecompose.studies.skill_pairs.skill_data import CONTENT_SKILLS, SKILLS, joint_items, skill_items
 from mergecompose.studies.skill_pairs.skill_experts import SkillRecipe, check_expert_bar, train_skill_expert
@@ -155,6 +157,7 @@ def run_real_sweep(
         results = {
             "name": config.name,
             "config_hash": config_hash,
+            "base": config.base,
             "bars": bars,
             "below_bar": below_bar,
             "settings": settings,
@@ -162,6 +165,7 @@ def run_real_sweep(
             "seconds": run.elapsed(digits=1),
         }
         run.write_json("results.json", results)
+        run.write_figure(GAP_PLOT, lambda path: plot_diagnostics_against_gap(real_settings(results), path))
         run.write_text("results.md", results_markdown(results))
         run.write_config(config)
     return results
@@ -234,7 +238,8 @@ def setting_diagnostics(config: RealSweepConfig, setting: SettingRun, items, fol
 
 def results_markdown(results: dict) -> str:
     """The bars, then one row per setting: its label, the test accuracies, and a few diagnostics."""
-    return f"# {results['name']}\n\n" + real_settings_table(results)
+    plot = f"\n![every diagnostic against best composition − best merge]({GAP_PLOT})\n"
+    return f"# {results['name']}\n\n" + real_settings_table(results) + plot
 
 
 def real_settings_table(results: dict) -> str:

@@ -46,5 +46,5 @@ def run_real_sweep_command(args) -> int:
     )
     print(real_settings_table(results))
     if not args.quiet:
-        print(f"\nwrote {args.out}/results.json, results.md, config.yaml")
+        print(f"\nwrote {args.out}/results.json, results.md, diagnostics_vs_gap.png, config.yaml")
     return 0

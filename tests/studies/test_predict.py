@@ -285,6 +285,16 @@ def test_predict_sweep_writes_the_schema_the_issue_names(small_sweep):
     assert "## The verdict rule" in (out / "predict.md").read_text()
 
 
+def test_fit_verdict_reads_a_predict_sweep(small_sweep, tmp_path):
+    _, out, results = small_sweep
+    assert main(["fit-verdict", "--predict", str(out), "--out", str(tmp_path / "verdict"), "--quiet"]) == 0
+    verdict = json.loads((tmp_path / "verdict" / "verdict.json").read_text())
+    assert [row["label"] for row in verdict["rows"]] == [s["paired"]["label"] for s in results["settings"]]
+    # Two families: each setting's rule is fitted on the other family's two settings.
+    assert [row["fitted_on"] for row in verdict["rows"]] == [2, 2, 2, 2]
+    assert verdict["n_real"] == 0 and verdict["heldout"]["all"]["rule"]["n"] == 4
+
+
 def test_predict_sweep_resumes_from_the_settings_it_has_measured(small_sweep, capsys):
     config_path, out, results = small_sweep
     (out / "settings" / "k2.json").unlink()  # as if the run had stopped before this setting

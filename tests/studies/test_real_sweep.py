@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -99,6 +100,14 @@ def test_the_scaled_sweep_end_to_end(sweep, capsys):
     assert {"base", "experts", "bars", "setting units+json"} <= set(results["stage_seconds"])
     assert "units+json" in printed and record["outcome"]["label"] in printed
     assert "units+json" in (out / "results.md").read_text()
+    assert results["base"] == yaml.safe_load(lenient.read_text())["base"]
+    assert (out / "diagnostics_vs_gap.png").stat().st_size > 0
+    # The verdict reads the folder: one setting, nothing held out to fit on, so the rule cannot decide.
+    verdict = root / "verdict"
+    assert main(["fit-verdict", "--real", str(out), "--out", str(verdict), "--quiet"]) == 0
+    (row,) = json.loads((verdict / "verdict.json").read_text())["rows"]
+    assert row["name"] == f"{Path(results['base']).name}/units+json" and row["label"] == record["outcome"]["label"]
+    assert row["predicted"] == "undecided" and row["gap"] == record["compose_minus_merge"]
 
 
 def test_the_base_cell_is_plain_greedy_generation(sweep, smollm2_dir):

@@ -340,6 +340,8 @@ _SCANS = (
 DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "cli:demo": "builds its tiny base and adapters itself, in a temporary folder",
     "cli:fetch-model": "downloads a registry model's wheels and checks them by their registry sha256",
+    "cli:fit-verdict": "reads only the JSON results its own sweeps wrote (predict.json, results.json), no model or "
+    "tensor file; a missing, corrupt or pre-version-2 results file is a row of tests/cli/bad_inputs/fit_verdict.py",
     "mergecompose.analysis.OverlapReport": _IN_MEMORY,
     "mergecompose.analysis.rollout_batches": _COMPONENT,
     "mergecompose.composition.TerminationRule": _COMPONENT,
