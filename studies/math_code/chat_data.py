@@ -1,16 +1,22 @@
-"""(prompt, answer) pairs as chat-format training batches and generation prompts for SmolLM2-Instruct.
+"""(prompt, answer) pairs as chat-format training batches and generation prompts, in two chat formats.
 
-The tokenizer's facts this relies on: pad = eos = `<|im_end|>` (id 2), padding on the right by default,
-and a chat template that inserts a default system prompt when the messages have none. So:
+* **ChatML**, through the tokenizer's own chat template (SmolLM2-Instruct): the tokenizer's facts this relies on
+  are pad = eos = `<|im_end|>` (id 2), padding on the right by default, and a chat template that inserts a
+  default system prompt when the messages have none.
+* **Gemma's turns**, written here, for a Gemma base whose tokenizer has no chat template (Gemma-3-270M):
+  `<bos><start_of_turn>user\n{prompt}<end_of_turn>\n<start_of_turn>model\n`, the answer, `<end_of_turn>`
+  (both markers one token each). There is no system turn: Gemma's own template has none.
 
-- every conversation, in training and evaluation, starts with the same explicit `SYSTEM_PROMPT`;
-- an example is the generation prompt's tokens (system, user, "<|im_start|>assistant\\n") followed by
-  the answer's tokens and the closing `<|im_end|>`, each part tokenized on its own, so the tokens the model
-  learns to continue are those `generation_inputs` gives it;
-- the labels are the input ids on the answer's tokens and on the closing `<|im_end|>` (so the expert
+The format is the first whose end-of-turn marker the tokenizer has as one token (`chat_format`). So:
+
+- every ChatML conversation, in training and evaluation, starts with the same explicit `SYSTEM_PROMPT`;
+- an example is the generation prompt's tokens (ChatML: system, user, "<|im_start|>assistant\\n") followed by
+  the answer's tokens and the closing end-of-turn token, each part tokenized on its own, so the tokens the
+  model learns to continue are those `generation_inputs` gives it;
+- the labels are the input ids on the answer's tokens and on the closing end-of-turn token (so the expert
   learns to stop), IGNORE_INDEX elsewhere; a batch pads on the right and drops the labels where the
   attention mask is 0, never by comparing with the pad id (pad == eos: that would drop the stop token);
-- batched generation pads on the left, so every row's last token is its "assistant\\n".
+- batched generation pads on the left, so every row's last token is its "assistant\\n" (or "model\\n").
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from transformers import PreTrainedTokenizerBase
 from mergecompose.core.training import IGNORE_INDEX
 
 SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # the template's default
-END_OF_TURN = "<|im_end|>"
+END_OF_TURN = "<|im_end|>"  # ChatML's
+GEMMA_START_OF_TURN, GEMMA_END_OF_TURN = "<start_of_turn>", "<end_of_turn>"
+CHAT_FORMATS = {"chatml": END_OF_TURN, "gemma": GEMMA_END_OF_TURN}  # each format's end-of-turn marker
 
 
 def chat_messages(prompt: str, answer: str | None = None) -> list[dict[str, str]]:
@@ -37,22 +45,43 @@ def chat_messages(prompt: str, answer: str | None = None) -> list[dict[str, str]
     return messages
 
 
+def _one_token(tokenizer: PreTrainedTokenizerBase, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def chat_format(tokenizer: PreTrainedTokenizerBase) -> str:
+    """ "chatml" or "gemma": the first format whose markers the tokenizer has as one token each (ChatML also needs
+    the tokenizer's chat template); an error naming both otherwise."""
+    if _one_token(tokenizer, END_OF_TURN) is not None and tokenizer.chat_template:
+        return "chatml"
+    if _one_token(tokenizer, GEMMA_END_OF_TURN) is not None and _one_token(tokenizer, GEMMA_START_OF_TURN) is not None:
+        return "gemma"
+    raise ValueError(
+        f"`tokenizer` must be a ChatML tokenizer with its chat template ({END_OF_TURN!r} one token) or a Gemma "
+        f"tokenizer ({GEMMA_START_OF_TURN!r} and {GEMMA_END_OF_TURN!r} one token each), got neither"
+    )
+
+
 def generation_text(tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
-    """The chat template's text for `prompt`, ending with the assistant's turn opened."""
-    text = tokenizer.apply_chat_template(chat_messages(prompt), tokenize=False, add_generation_prompt=True)
-    return str(text)
+    """The chat text for `prompt`, ending with the assistant's (Gemma: the model's) turn opened."""
+    messages = chat_messages(prompt)  # checks the prompt
+    if chat_format(tokenizer) == "gemma":
+        start, end = GEMMA_START_OF_TURN, GEMMA_END_OF_TURN
+        return f"{tokenizer.bos_token or ''}{start}user\n{prompt}{end}\n{start}model\n"
+    return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
 def end_of_turn_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id of `<|im_end|>`; an error if the tokenizer has it not as one token."""
-    ids = tokenizer.encode(END_OF_TURN, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(f"`tokenizer` must have {END_OF_TURN!r} as one token (a ChatML tokenizer), got ids {ids}")
-    return int(ids[0])
+    """The id of the tokenizer's chat format's end-of-turn token (`<|im_end|>`, or Gemma's `<end_of_turn>`)."""
+    token = CHAT_FORMATS[chat_format(tokenizer)]
+    token_id = _one_token(tokenizer, token)
+    assert token_id is not None  # chat_format checked it
+    return token_id
 
 
 def tokenize_example(tokenizer: PreTrainedTokenizerBase, prompt: str, answer: str) -> tuple[list[int], list[int]]:
-    """`(input_ids, labels)` of one conversation: labels on the answer's tokens and the closing `<|im_end|>`."""
+    """`(input_ids, labels)` of one conversation: labels on the answer's tokens and the closing end-of-turn token."""
     chat_messages(prompt, answer)  # checks both
     prefix = tokenizer.encode(generation_text(tokenizer, prompt), add_special_tokens=False)
     completion = [*tokenizer.encode(answer, add_special_tokens=False), end_of_turn_id(tokenizer)]
@@ -66,7 +95,7 @@ def training_batch(
 
     The format of `mergecompose.core.training.train_lora_expert` (and of transformers): `labels[:, t]`
     is the token at t, the logit at t - 1 predicts it. An example longer than `max_length` is an error,
-    never cut (a cut answer would lose its `<|im_end|>`).
+    never cut (a cut answer would lose its end-of-turn token).
     """
     if not pairs:
         raise ValueError("`pairs` must hold at least one (prompt, answer) pair, got none")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
+from transformers import AutoTokenizer
 
 from mergecompose.analysis import OverlapSettings, rollout_batches
 from mergecompose.analysis.predict import unlabelled_diagnostics
@@ -30,7 +31,7 @@ from mergecompose.core.io import StrictModel, atomic_write_text, markdown_table
 from mergecompose.experiments.compare_config import MergeGrid, fingerprint
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
 from mergecompose.integrations.gguf.fetch import MODELS, fetch_model
-from mergecompose.studies.math_code.chat_data import end_of_turn_id, generation_inputs
+from mergecompose.studies.math_code.chat_data import chat_format, end_of_turn_id, generation_inputs
 from mergecompose.studies.predict.paired_verdict import real_settings
 from mergecompose.studies.predict.paired_verdict_report import GAP_PLOT, plot_diagnostics_against_gap
 from mergecompose.studies.skill_pairs.setting_run import SettingRun
@@ -131,6 +132,7 @@ def run_real_sweep(
     with run.claim(config_hash, overwrite):
         with run.stage("base"):
             base = base_folder(config.base)
+            chat_format(AutoTokenizer.from_pretrained(base))  # a chat format the data can be written in, or one line
         experts = {}
         with run.stage("experts"):
             for skill in config.skills:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import re
 from fractions import Fraction
@@ -31,6 +32,7 @@ from mergecompose.studies.math_code import (
 )
 from mergecompose.studies.math_code import code_problems as code_module
 from mergecompose.studies.math_code import math_problems as math_module
+from mergecompose.studies.math_code.chat_data import chat_format, end_of_turn_id, generation_text
 from mergecompose.studies.math_code.math_problems import NAMES, expanded_arithmetic
 
 # Each math template's answer from the numbers of its question, in the order they appear there,
@@ -322,3 +324,27 @@ def test_generation_inputs_pad_on_the_left(tokenizer):
     assert torch.equal(input_ids[:, -3:], input_ids[1:, -3:].expand(2, 3))  # each row ends "<|im_start|>assistant\n"
     assert (input_ids[0][mask[0] == 0] == 2).all()
     assert tokenizer.decode(input_ids[1]).endswith("<|im_start|>assistant\n")
+
+
+def test_a_gemma_tokenizer_gets_gemma_s_turns(tokenizer):
+    """A tokenizer with no chat template but Gemma's turn markers (as Gemma-3-270M's GGUF gives): Gemma's turns, no
+    system turn, the answer closed by `<end_of_turn>`; without either format, one clear error."""
+    gemma = copy.deepcopy(tokenizer)
+    gemma.chat_template = None
+    gemma.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    end = gemma.convert_tokens_to_ids("<end_of_turn>")
+    assert chat_format(gemma) == "gemma" and chat_format(tokenizer) == "chatml"
+    assert end_of_turn_id(gemma) == end and end_of_turn_id(tokenizer) == 2
+    text = generation_text(gemma, "Sort 3, 1, 2.")
+    assert text == f"{gemma.bos_token or ''}<start_of_turn>user\nSort 3, 1, 2.<end_of_turn>\n<start_of_turn>model\n"
+    ids, labels = tokenize_example(gemma, "Sort 3, 1, 2.", "1, 2, 3")
+    start = next(index for index, label in enumerate(labels) if label != IGNORE_INDEX)
+    assert ids[-1] == end and labels[start:] == ids[start:]
+    assert gemma.decode(ids[start:]) == "1, 2, 3<end_of_turn>"
+    assert ids[:start] == gemma.encode(text, add_special_tokens=False)
+    batch = generation_inputs(gemma, ["Short.", "Sort 3, 1, 2."])
+    assert gemma.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()]).endswith("<start_of_turn>model\n")
+    neither = copy.deepcopy(tokenizer)
+    neither.chat_template = None
+    with pytest.raises(ValueError, match=r"must be a ChatML tokenizer with its chat template .* got neither"):
+        end_of_turn_id(neither)
