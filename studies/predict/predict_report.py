@@ -48,6 +48,11 @@ def _percent(value) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
 
+def _paired(record: dict) -> str:
+    paired = record.get("paired")
+    return "–" if paired is None else f"{paired['label']} ({paired['composition']}, p = {paired['p_value']:.2g})"
+
+
 def _cell(entry: dict) -> str:
     if entry["rho"] is None:
         return "undefined"
@@ -85,6 +90,7 @@ def predict_markdown(results: dict) -> str:
         "best merge",
         "weakest expert",
         "verdict",
+        "paired label (composition chosen on validation)",
         *top,
     ]
     rows = []
@@ -101,6 +107,7 @@ def predict_markdown(results: dict) -> str:
                 f"{_percent(outcomes['best_merge'])} ({record['merge_chosen']['method']})",
                 _percent(min(outcomes["experts"].values())),
                 verdict,
+                _paired(record),
                 *[record["diagnostics"][name] for name in top],
             ]
         )

@@ -283,6 +283,7 @@ def test_predict_sweep_writes_the_schema_the_issue_names(small_sweep):
     rule = VerdictRule.model_validate(json.loads((out / "predict_rule.json").read_text()))
     assert rule.sweep["name"] == "small" and rule.heldout_accuracy == results["verdict"]["heldout_accuracy"]
     assert "## The verdict rule" in (out / "predict.md").read_text()
+    assert f"| {results['settings'][0]['paired']['label']} (" in (out / "predict.md").read_text()
 
 
 def test_fit_verdict_reads_a_predict_sweep(small_sweep, tmp_path):
