@@ -20,7 +20,9 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 from pydantic import Field, field_validator, model_validator
+from scipy.stats import spearmanr
 from transformers import AutoTokenizer
 
 from mergecompose.analysis import OverlapSettings, rollout_batches
@@ -32,6 +34,7 @@ from mergecompose.experiments.compare_config import MergeGrid, fingerprint
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
 from mergecompose.integrations.gguf.fetch import MODELS, fetch_model
 from mergecompose.studies.math_code.chat_data import chat_format, end_of_turn_id, generation_inputs
+from mergecompose.studies.predict.paired_outcome import OUTCOMES
 from mergecompose.studies.predict.paired_verdict import real_settings
 from mergecompose.studies.predict.paired_verdict_report import GAP_PLOT, plot_diagnostics_against_gap
 from mergecompose.studies.skill_pairs.setting_run import SettingRun
@@ -163,6 +166,7 @@ def run_real_sweep(
             "bars": bars,
             "below_bar": below_bar,
             "settings": settings,
+            "claims": paper_claims(settings),
             "stage_seconds": run.timings,
             "seconds": run.elapsed(digits=1),
         }
@@ -238,10 +242,73 @@ def setting_diagnostics(config: RealSweepConfig, setting: SettingRun, items, fol
     return flat
 
 
+def paper_claims(settings: list[dict]) -> dict:
+    """What the settings say about the paper's two claims, whichever way it comes out.
+
+    * `compose_beats_experts`: the settings where the chosen composition's joint test accuracy is above each
+      expert's alone, of all settings, and the least margin over the better expert (points, may be negative);
+    * `merge_compose_kl`: Spearman ρ (scipy) of `merge_compose_kl` against |best composition − best merge| across
+      settings, and the mean |compose − merge| where the KL is at or below its median, and above it;
+    * `labels`: how many settings got each label.
+    """
+    margins = []
+    for record in settings:
+        test, compose = record["test"], record["chosen"]["compose"]["system"]
+        best_expert = max(test[f"expert:{skill}"]["accuracy"] for skill in record["skills"])
+        margins.append(test[compose]["accuracy"] - best_expert)
+    claims: dict = {
+        "compose_beats_experts": {
+            "settings": sum(margin > 0 for margin in margins),
+            "of": len(settings),
+            "least_margin_points": round(100 * min(margins), 1) if margins else None,
+        },
+        "labels": {label: sum(r["outcome"]["label"] == label for r in settings) for label in OUTCOMES},
+    }
+    pairs = [
+        (r["diagnostics"]["merge_compose_kl"], abs(r["compose_minus_merge"]))
+        for r in settings
+        if r["diagnostics"].get("merge_compose_kl") is not None
+    ]
+    if len(pairs) >= 3:
+        kl, gap = (np.array(column, dtype=float) for column in zip(*pairs))
+        rho = spearmanr(kl, gap)
+        low = kl <= np.median(kl)
+        claims["merge_compose_kl"] = {
+            "rho_abs_gap": None if np.isnan(rho.statistic) else float(rho.statistic),
+            "p": None if np.isnan(rho.pvalue) else float(rho.pvalue),
+            "n": len(pairs),
+            "abs_gap_points_low_kl": float(100 * gap[low].mean()),
+            "abs_gap_points_high_kl": float(100 * gap[~low].mean()) if (~low).any() else None,
+            "median_kl": float(np.median(kl)),
+        }
+    return claims
+
+
 def results_markdown(results: dict) -> str:
     """The bars, then one row per setting: its label, the test accuracies, and a few diagnostics."""
     plot = f"\n![every diagnostic against best composition − best merge]({GAP_PLOT})\n"
-    return f"# {results['name']}\n\n" + real_settings_table(results) + plot
+    return f"# {results['name']}\n\n" + real_settings_table(results) + claims_markdown(results["claims"]) + plot
+
+
+def claims_markdown(claims: dict) -> str:
+    """The paper's two claims, as the settings answer them."""
+    beats = claims["compose_beats_experts"]
+    lines = [
+        "",
+        "## The paper's claims at this scale",
+        "",
+        f"- Composition beats each expert alone on the joint split in {beats['settings']} of {beats['of']} settings "
+        f"(least margin over the better expert: {beats['least_margin_points']} points).",
+        "- Labels: " + ", ".join(f"{label} {count}" for label, count in claims["labels"].items()) + ".",
+    ]
+    kl = claims.get("merge_compose_kl")
+    if kl:
+        lines.append(
+            f"- merge_compose_kl against |compose − merge|: Spearman ρ = {_number(kl['rho_abs_gap'])} "
+            f"(p = {_number(kl['p'])}, n = {kl['n']}); mean |compose − merge| {kl['abs_gap_points_low_kl']:.1f} points "
+            f"where the KL ≤ its median {kl['median_kl']:.3g}, {_number(kl['abs_gap_points_high_kl'])} points above."
+        )
+    return "\n".join(lines) + "\n"
 
 
 def real_settings_table(results: dict) -> str:

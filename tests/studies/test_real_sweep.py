@@ -19,6 +19,7 @@ from mergecompose.cli import main
 from mergecompose.studies.math_code.chat_data import generation_inputs
 from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.skill_pairs import skill_experts
+from mergecompose.studies.skill_pairs.real_sweep import claims_markdown, paper_claims
 from mergecompose.studies.skill_pairs.skill_data import joint_items
 from mergecompose.studies.skill_pairs.skill_scoring import score_item
 
@@ -139,3 +140,37 @@ def test_a_rerun_resumes_from_the_folder(sweep, monkeypatch, capsys):
         for record in result["settings"]:
             record.pop("seconds")
     assert after == before
+
+
+def test_the_paper_s_claims_from_hand_made_settings():
+    def record(label, compose, merge, first, second, kl):
+        return {
+            "skills": ["a", "b"],
+            "chosen": {"compose": {"system": "c"}, "merge": {"system": "m"}},
+            "test": {
+                "c": {"accuracy": compose},
+                "m": {"accuracy": merge},
+                "expert:a": {"accuracy": first},
+                "expert:b": {"accuracy": second},
+            },
+            "outcome": {"label": label},
+            "compose_minus_merge": compose - merge,
+            "diagnostics": {"merge_compose_kl": kl},
+        }
+
+    settings = [
+        record("either", 0.9, 0.9, 0.0, 0.0, 0.1),
+        record("compose", 0.6, 0.1, 0.5, 0.7, 0.9),
+        record("either", 0.5, 0.45, 0.2, 0.1, 0.2),
+        record("compose", 0.8, 0.2, 0.0, 0.3, 0.5),
+    ]
+    claims = paper_claims(settings)
+    # Above both experts: 0.9 > 0.0, 0.5 > 0.2, 0.8 > 0.3; not 0.6 < 0.7 (margin -10 points).
+    assert claims["compose_beats_experts"] == {"settings": 3, "of": 4, "least_margin_points": -10.0}
+    assert claims["labels"] == {"merge": 0, "compose": 2, "either": 2}
+    kl = claims["merge_compose_kl"]
+    # |gaps| 0, 0.5, 0.05, 0.6 (ranks 1, 3, 2, 4) against KL 0.1, 0.9, 0.2, 0.5 (ranks 1, 4, 2, 3):
+    # ρ = 1 − 6 Σ d² / (n (n² − 1)) = 1 − 6 · 2 / 60 = 0.8.
+    assert kl["rho_abs_gap"] == pytest.approx(0.8) and kl["n"] == 4 and kl["median_kl"] == pytest.approx(0.35)
+    assert kl["abs_gap_points_low_kl"] == pytest.approx(2.5) and kl["abs_gap_points_high_kl"] == pytest.approx(55.0)
+    assert "in 3 of 4 settings" in claims_markdown(claims)
