@@ -168,6 +168,7 @@ def run_real_sweep(
             "settings": settings,
             "claims": paper_claims(settings),
             "stage_seconds": run.timings,
+            "work_seconds": work_seconds(experts, settings),
             "seconds": run.elapsed(digits=1),
         }
         run.write_json("results.json", results)
@@ -240,6 +241,19 @@ def setting_diagnostics(config: RealSweepConfig, setting: SettingRun, items, fol
     flat = {key: (None if value is None or value != value else float(value)) for key, value in flat.items()}
     atomic_write_text(path, json.dumps(flat, indent=1) + "\n")
     return flat
+
+
+def work_seconds(experts: dict[str, Path], settings: list[dict]) -> dict:
+    """The time each piece took when it was made, by whichever run made it (`stage_seconds` counts this run only, so
+    a resumed run's are short): each expert's training (its `training.json`), each setting's cells (None for cells
+    made before cells kept their time)."""
+    training = {}
+    for skill, folder in experts.items():
+        try:
+            training[skill] = json.loads((Path(folder) / "training.json").read_text(encoding="utf-8")).get("seconds")
+        except (OSError, json.JSONDecodeError):
+            training[skill] = None
+    return {"expert_training": training, "setting_cells": {r["name"]: r.get("cell_seconds") for r in settings}}
 
 
 def paper_claims(settings: list[dict]) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -120,12 +121,14 @@ class SettingRun:
             cached = json.loads(path.read_text(encoding="utf-8"))
             if cached["prompts"] == prompts:
                 return cached
+        started = time.perf_counter()
         model = build()
         try:
             outputs = model_answers(model, self.tokenizer, prompts, self.max_new_tokens, self.batch_size)
         finally:
             if isinstance(model, ComposedLM):
                 model.close()
+        seconds = round(time.perf_counter() - started, 1)
         scores = [score_item(item, output) for item, output in zip(items, outputs)]
         record = {
             "system": system,
@@ -138,6 +141,7 @@ class SettingRun:
         }
         record["accuracy"] = sum(record["right"]) / len(items)
         record["strict_accuracy"] = sum(record["strict"]) / len(items)
+        record["seconds"] = seconds  # building the system and answering, when the cell was made
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(record) + "\n")
         return record
@@ -170,12 +174,14 @@ class SettingRun:
         if len(self.experts) != 2:
             raise ValueError(f"a setting has two experts, got {list(self.experts)}")
         merge_systems, compose_systems = self.candidates(merges, weights, remedies)
-        chosen = {}
+        chosen, seconds = {}, []
         bar = tqdm(total=len(merge_systems) + len(compose_systems) + 5, disable=not self.progress, desc="cells")
         for kind, systems in (("merge", merge_systems), ("compose", compose_systems)):
             scores = {}
             for name, build in systems.items():
-                scores[name] = self.cell(name, "validation", validation, build)["accuracy"]
+                cell = self.cell(name, "validation", validation, build)
+                scores[name] = cell["accuracy"]
+                seconds.append(cell.get("seconds"))
                 bar.update()
             best = max(scores, key=lambda name: scores[name])  # the first of the highest, in grid order
             chosen[kind] = {"system": best, "validation": scores}
@@ -189,13 +195,16 @@ class SettingRun:
         cells = {}
         for name, build in test_systems.items():
             cells[name] = self.cell(name, "test", test, build)
+            seconds.append(cells[name].get("seconds"))
             bar.update()
         bar.close()
         outcome = paired_outcome(cells[chosen["merge"]["system"]]["right"], cells[chosen["compose"]["system"]]["right"])
         summary = {name: {key: cell[key] for key in ("accuracy", "strict_accuracy")} for name, cell in cells.items()}
         for name, cell in cells.items():
             summary[name]["parts"] = {skill: sum(rights) / len(rights) for skill, rights in cell["parts"].items()}
-        return {"chosen": chosen, "test": summary, "outcome": outcome.to_dict()}
+        # The time its cells took when they were made (None where a cell was made before cells kept it).
+        cell_seconds = None if None in seconds else round(sum(seconds), 1)
+        return {"chosen": chosen, "test": summary, "outcome": outcome.to_dict(), "cell_seconds": cell_seconds}
 
 
 def _point(params: Mapping) -> str:

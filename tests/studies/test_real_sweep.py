@@ -99,6 +99,17 @@ def test_the_scaled_sweep_end_to_end(sweep, capsys):
         assert key in record["diagnostics"], key
     assert record["diagnostics"]["merge_compose_kl"] is not None and record["diagnostics"]["merge_compose_kl"] >= 0
     assert {"base", "experts", "bars", "setting units+json"} <= set(results["stage_seconds"])
+    # Each piece's own time, kept where it was made: the experts' training, the cells (first run: all made here).
+    work = results["work_seconds"]
+    assert set(work["expert_training"]) == set(SKILLS) and all(v > 0 for v in work["expert_training"].values())
+    assert work["setting_cells"]["units+json"] == pytest.approx(
+        sum(cell["seconds"] for cell in cells.values())
+        + sum(
+            json.loads((out / "settings" / "units+json" / "cells" / f"{name}--validation.json").read_text())["seconds"]
+            for name in (*record["chosen"]["merge"]["validation"], *record["chosen"]["compose"]["validation"])
+        ),
+        abs=0.5,
+    )
     assert "units+json" in printed and record["outcome"]["label"] in printed
     assert "units+json" in (out / "results.md").read_text()
     assert results["base"] == yaml.safe_load(lenient.read_text())["base"]
