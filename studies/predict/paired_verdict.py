@@ -34,7 +34,7 @@ from scipy.stats import binomtest
 
 from mergecompose.analysis.predict import Threshold
 from mergecompose.studies.predict.paired_outcome import OUTCOMES
-from mergecompose.studies.predict.stats import fit_threshold
+from mergecompose.studies.predict.stats import fit_threshold, usable_diagnostics
 
 UNDECIDED = "undecided"
 PREDICTIONS = (*OUTCOMES, UNDECIDED)
@@ -47,7 +47,6 @@ class LabelledSetting:
 
     name: str
     source: str  # "synthetic" or "real"
-    group: str  # a synthetic family, or a real sweep's base
     experts: frozenset[str]  # what it must not share with the settings its rule is fitted on
     label: str
     gap: float
@@ -70,7 +69,6 @@ def synthetic_settings(predict: Mapping) -> list[LabelledSetting]:
             LabelledSetting(
                 record["name"],
                 "synthetic",
-                family,
                 frozenset({f"synthetic:{family}"}),
                 paired["label"],
                 gap,
@@ -88,16 +86,13 @@ def real_settings(results: Mapping) -> list[LabelledSetting]:
         raise ValueError("real-sweep results.json has no `base`: it was written before the base was recorded; rerun it")
     settings = []
     for record in results["settings"]:
-        test, chosen = record["test"], record["chosen"]
-        gap = test[chosen["compose"]["system"]]["accuracy"] - test[chosen["merge"]["system"]]["accuracy"]
         settings.append(
             LabelledSetting(
                 f"{Path(base).name}/{record['name']}",
                 "real",
-                base,
                 frozenset(f"{base}:{skill}" for skill in record["skills"]),
                 record["outcome"]["label"],
-                gap,
+                record["compose_minus_merge"],
                 record["diagnostics"],
             )
         )
@@ -109,16 +104,10 @@ def _mean(values: Sequence) -> float:
 
 
 def usable_features(settings: Sequence[LabelledSetting]) -> list[str]:
-    """The diagnostics every setting has (defined, finite) and that vary across them, in the first one's order."""
-    names = [name for name in settings[0].diagnostics if all(name in s.diagnostics for s in settings)]
-    usable = []
-    for name in names:
-        values = [s.diagnostics[name] for s in settings]
-        if any(value is None or not math.isfinite(value) for value in values):
-            continue
-        if len(set(values)) > 1:
-            usable.append(name)
-    return usable
+    """The diagnostics every setting has (defined, finite) and that vary across them, in the first one's order:
+    `stats.usable_diagnostics`, less those infinite somewhere (a threshold between infinities is undefined)."""
+    names = usable_diagnostics([{"diagnostics": s.diagnostics} for s in settings])
+    return [name for name in names if all(math.isfinite(s.diagnostics[name]) for s in settings)]
 
 
 class PairedRule(BaseModel):

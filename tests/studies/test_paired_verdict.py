@@ -25,7 +25,7 @@ from mergecompose.studies.predict.paired_verdict import (
 
 
 def setting(name, experts, label, x, y=0.0, source="real"):
-    return LabelledSetting(name, source, "g", frozenset(experts), label, 0.0, {"x": x, "y": y, "constant": 1.0})
+    return LabelledSetting(name, source, frozenset(experts), label, 0.0, {"x": x, "y": y, "constant": 1.0})
 
 
 # Six real settings over four experts; `x` separates compose (high) from merge (low), either in between.
@@ -167,6 +167,7 @@ def _results_json():
             "outcome": {"label": label},
             "chosen": {"merge": {"system": "m"}, "compose": {"system": "c"}},
             "test": {"m": {"accuracy": 0.25}, "c": {"accuracy": 0.75}},
+            "compose_minus_merge": 0.5,
             "diagnostics": {"x": x, "y": 0.0},
         }
 
