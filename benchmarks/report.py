@@ -7,9 +7,12 @@ import os
 import subprocess
 from pathlib import Path
 
+import torch
+
 
 def conditions(repeats: int) -> dict:
-    """The commit of the checkout, the 1-minute load average now and the number of interleaved repeats.
+    """The commit of the checkout, the CPU's vector capability (torch's `get_cpu_capability()`: AVX2, AVX512, ...),
+    the 1-minute load average now and the number of interleaved repeats.
 
     Call it at the start and at the end of a run: a figure taken while the load average is well above 0
     shared the machine with other work."""
@@ -31,12 +34,17 @@ def conditions(repeats: int) -> dict:
         commit += "+changes" if dirty else ""
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
-    return {"commit": commit, "load_average_1min": round(os.getloadavg()[0], 2), "interleaved_repeats": repeats}
+    return {
+        "commit": commit,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+        "interleaved_repeats": repeats,
+    }
 
 
 def conditions_line(start: dict, end: dict) -> str:
     return (
-        f"commit {start['commit']}, load average {start['load_average_1min']} at the start and "
+        f"commit {start['commit']}, CPU {start['cpu_capability']}, load average {start['load_average_1min']} at the start and "
         f"{end['load_average_1min']} at the end, median of {start['interleaved_repeats']} interleaved repeats"
     )
 

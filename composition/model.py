@@ -23,7 +23,8 @@ from mergecompose.composition.backend import Backend
 from mergecompose.composition.decoding_config import DecodingConfig, decoding_arguments
 from mergecompose.composition.inputs import check_context, checked_logprobs, prepare_inputs, prepare_prompt
 from mergecompose.composition.kernels.few_row_linear import FewRowKernel
-from mergecompose.composition.kernels.mixed_head import can_mix, decoding_backend
+from mergecompose.composition.kernels.mixed_head import can_mix, decoding_backend, measure_mixing
+from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch
 from mergecompose.composition.loading import (
     PretrainedSources,
     check_adapter_arguments,
@@ -43,6 +44,14 @@ from mergecompose.composition.vocabulary import with_vocabulary
 from mergecompose.core.adapters import warn_if_made_for_another_base
 
 _CLOSED = "this ComposedLM was closed and has given its models back; build a new one to compose again"
+
+
+# Inference mode: a composition's passes run outside `torch.inference_mode` even when the caller is inside it
+# (under `no_grad`: no graph is built either way). Inference tensors have no version counter, and without one the
+# shared base's sibling linears cannot tell that they read one input unchanged, so each would compute its group's
+# whole packed product (kernels/few_row_linear.py, `reads_same`): q/k/v's three times; on SmolLM2 at batch 8 that
+# ran at 0.61× transformers' `generate`, against 0.88× outside it. The caller's inference tensors are read, never
+# changed; what `generate` returns is an ordinary tensor.
 
 
 class ComposedLM:
@@ -110,11 +119,14 @@ class ComposedLM:
         self._closed = False
         self._merged_drafts: dict[tuple[float, ...], PreTrainedModel] = {}
         self._draft_kernel = FewRowKernel()  # the few-row kernel's choice for the drafts' passes, kept across calls
-        # LoRA experts on one base without remedies: `generate` mixes the last hidden states before the shared output
-        # layer (kernels/mixed_head.py), equal to the rule up to float rounding; False computes every component's
-        # logits.
-        self.mix_before_head = True
+        # LoRA experts on one base without remedies: `generate` may mix the last hidden states before the shared
+        # output layer (kernels/mixed_head.py), equal to the rule up to float rounding. None (default): where that is
+        # faster on this machine, timed on the first call at each batch size (`speed_choices`); True: always; False:
+        # never, every component's logits are computed.
+        self.mix_before_head: bool | None = None
         self._can_mix: bool | None = None
+        self._mixing: dict[int, Choice] = {}  # batch size -> what the timing chose
+        self.stopwatch = Stopwatch()  # what times the mixed head's trial
         # What the last `generate(draft=...)` did (None after a call without a draft).
         self.speculation_stats: SpeculationStats | None = None
 
@@ -129,6 +141,7 @@ class ComposedLM:
         remedies: Sequence[object] = (),
         *,
         names: Sequence[str] | None = None,
+        pack_weights: bool | None = None,
     ) -> ComposedLM:
         """Load several peft LoRA adapters onto one copy of `base_model`.
 
@@ -140,8 +153,11 @@ class ComposedLM:
         "stacked", the forward of each of its `nn.Linear` is replaced by one that adds the LoRA
         products inside this object's forward passes only; with "peft", LoRA layers are injected
         into it), frozen and put in eval mode. With "stacked" on a CPU, the float32 weights of its
-        decoder linears are meanwhile held in oneDNN's packed layout (kernels/few_row_linear.py): the parameters
-        keep their identity but hold empty tensors, `state_dict()` gives the dense weights. `close()`
+        decoder linears may meanwhile be held in oneDNN's packed layout (kernels/few_row_linear.py): the parameters
+        keep their identity but hold empty tensors, `state_dict()` gives the dense weights. `pack_weights` None
+        (default) packs them if their products over a decoding step's rows run faster packed on this machine,
+        timed at load (`speed_choices` says what was chosen); True always packs where oneDNN can, False never.
+        `close()`
         (or leaving a `with` block) undoes all of it: same modules, parameters, flags and outputs as
         before, the weights bit for bit. `lora_implementation` picks
         how the experts run in one batched pass (see `SharedAdapters`); "stacked" falls back to
@@ -152,9 +168,13 @@ class ComposedLM:
         (`mergecompose.core.adapters.is_other_base`); nothing recorded, nothing said.
         """
         check_adapter_arguments(adapters, names, lora_implementation)
+        if pack_weights not in (None, True, False):
+            raise ValueError(f"`pack_weights` must be True, False or None (measure), got {pack_weights!r}")
         for name, adapter in adapters.items():
             warn_if_made_for_another_base(adapter, base_model, f"adapters[{name!r}]")
-        return cls._on_shared_base(base_model, adapters, weights, tokenizer, lora_implementation, remedies)
+        return cls._on_shared_base(
+            base_model, adapters, weights, tokenizer, lora_implementation, remedies, pack_weights
+        )
 
     @classmethod
     def _on_shared_base(
@@ -165,11 +185,12 @@ class ComposedLM:
         tokenizer: PreTrainedTokenizerBase | None,
         lora_implementation: str,
         remedies: Sequence[object],
+        pack_weights: bool | None = None,
     ) -> ComposedLM:
         """`from_adapters` after its checks."""
         self = cls.__new__(cls)
         self._configure(base_model, len(adapters), list(adapters), weights, tokenizer, remedies)
-        self._backend = SharedAdapters(base_model, adapters, lora_implementation)
+        self._backend = SharedAdapters(base_model, adapters, lora_implementation, pack_weights)
         return self
 
     @classmethod
@@ -293,7 +314,8 @@ class ComposedLM:
         self._check_open()
         ids, mask, positions = prepare_inputs(input_ids, attention_mask, position_ids, self.vocab_size, self.device)
         check_context(positions, f"the input ({ids.shape[1]} tokens a row)", self.context_length)
-        logits = self.backend.forward(ids, mask, positions)  # (k+1, B, T, V)
+        with torch.inference_mode(False):  # "Inference mode" above `ComposedLM`
+            logits = self.backend.forward(ids, mask, positions)  # (k+1, B, T, V)
         return checked_logprobs(logits, ["base", *self.expert_names])
 
     @torch.no_grad()
@@ -336,55 +358,81 @@ class ComposedLM:
         prompt, then the new tokens as they are decided, and `end()`. Options passed by position
         (`generate(ids, mask, 32, False)`) still work for one release, with a DeprecationWarning.
         """
-        self._check_open()
-        inputs = {"position_ids": position_ids, "generated_position_ids": generated_position_ids}
-        config, inputs = decoding_arguments(config, old_positional, options, inputs)
-        config.check_draft_fits(
-            self.num_experts, self.device, self.vocab_size, self.tokenizer, self.backend.shares_one_base
-        )
-        criteria = stop_criteria(config.stop_strings, self.tokenizer if tokenizer is None else tokenizer)
-        prompt = prepare_prompt(
-            input_ids,
-            attention_mask,
-            **inputs,
-            max_new_tokens=config.max_new_tokens,
-            truncate=config.truncate,
-            vocabulary=self.vocab_size,
-            context=self.context_length,
-            device=self.device,
-        )
-        stream = TokenStream.check(streamer, prompt.input_ids)
-        eos_ids, pad_id = special_ids(
-            config.eos_token_id, config.pad_token_id, self.generation_config, self.vocab_size, self.device
-        )
-        stopping, sampler = Stopping(eos_ids, pad_id, criteria), Sampler.from_config(config, self.device)
-        self.speculation_stats = None
-        mix = self._mixes_before_head()  # False for backends other than LoRA experts on one base (can_mix)
-        backend, compose = decoding_backend(
-            self.backend, mix, self.weights, self.num_experts, self.remedies, self.vocab_size, config.do_sample
-        )
-        try:
-            if config.draft is None:
-                sequences = sample(backend, compose, prompt, stopping, sampler, stream)
-            else:
-                draft = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
-                sequences, self.speculation_stats = speculate(
-                    backend, draft, self._draft_kernel, compose, prompt, stopping, sampler, config, stream
-                )
-        finally:
-            if backend is not self.backend:
-                backend.close()  # the output layer's hook
-        stream.end()
-        return sequences
+        # Every tensor of the passes with a version counter ("Inference mode" above `ComposedLM`).
+        with torch.inference_mode(False):
+            self._check_open()
+            inputs = {"position_ids": position_ids, "generated_position_ids": generated_position_ids}
+            config, inputs = decoding_arguments(config, old_positional, options, inputs)
+            config.check_draft_fits(
+                self.num_experts, self.device, self.vocab_size, self.tokenizer, self.backend.shares_one_base
+            )
+            criteria = stop_criteria(config.stop_strings, self.tokenizer if tokenizer is None else tokenizer)
+            prompt = prepare_prompt(
+                input_ids,
+                attention_mask,
+                **inputs,
+                max_new_tokens=config.max_new_tokens,
+                truncate=config.truncate,
+                vocabulary=self.vocab_size,
+                context=self.context_length,
+                device=self.device,
+            )
+            stream = TokenStream.check(streamer, prompt.input_ids)
+            eos_ids, pad_id = special_ids(
+                config.eos_token_id, config.pad_token_id, self.generation_config, self.vocab_size, self.device
+            )
+            stopping, sampler = Stopping(eos_ids, pad_id, criteria), Sampler.from_config(config, self.device)
+            self.speculation_stats = None
+            mix = self._mixes_before_head(prompt.input_ids.shape[0])  # False unless LoRA experts on one base (can_mix)
+            backend, compose = decoding_backend(
+                self.backend, mix, self.weights, self.num_experts, self.remedies, self.vocab_size, config.do_sample
+            )
+            try:
+                if config.draft is None:
+                    sequences = sample(backend, compose, prompt, stopping, sampler, stream)
+                else:
+                    draft = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
+                    sequences, self.speculation_stats = speculate(
+                        backend, draft, self._draft_kernel, compose, prompt, stopping, sampler, config, stream
+                    )
+            finally:
+                if backend is not self.backend:
+                    backend.close()  # the output layer's hook
+            stream.end()
+            return sequences
 
-    def _mixes_before_head(self) -> bool:
+    def _mixes_before_head(self, batch: int) -> bool:
         """Whether `generate` mixes the components' last hidden states before one output layer pass
-        (kernels/mixed_head.py): `mix_before_head` on, no remedies, and a backend that allows it (checked once)."""
-        if not self.mix_before_head or self.remedies:
+        (kernels/mixed_head.py): `mix_before_head` not False, no remedies, a backend that allows it (checked once),
+        and with `mix_before_head` None, mixing timed faster at this batch size (timed once per batch size)."""
+        if self.mix_before_head is False or self.remedies:
             return False
         if self._can_mix is None:
             self._can_mix = can_mix(self.backend)
-        return self._can_mix
+        if not self._can_mix or self.mix_before_head:
+            return self._can_mix
+        if batch not in self._mixing:
+            self._mixing[batch] = measure_mixing(self.backend, self.weights, self.num_experts, batch, self.stopwatch)
+        return self._mixing[batch].chosen == "mixed"
+
+    @property
+    def speed_choices(self) -> dict[str, object]:
+        """What the timings on this machine chose so far, with each option's best time in ms: whether the shared
+        base's weights are packed (at load), the few-row kernel by row count, and mixing before the output layer by
+        batch size (on the first `generate` at that size). Choices fixed by an argument or not made are left out."""
+        choices: dict[str, object] = {}
+        linears = getattr(self.backend, "linears", None)
+        stacked = getattr(self.backend, "stacked", None)
+        if stacked is not None:
+            linears = stacked.linears
+        if linears is not None:
+            if linears.packing is not None:
+                choices["packed weights"] = linears.packing.summary()
+            if linears.kernel.chosen:
+                choices["few-row kernel"] = dict(linears.kernel.chosen)
+        if self._mixing:
+            choices["mixed head"] = {batch: choice.summary() for batch, choice in self._mixing.items()}
+        return choices
 
     def merged_draft(self, draft_lambda: Sequence[float] | None = None) -> PreTrainedModel:
         """The task-arithmetic merge of this composition's experts, θ_b + Σ_i λ_i (θ_i − θ_b), as a model.

@@ -37,7 +37,11 @@ class SharedAdapters:
     """
 
     def __init__(
-        self, base_model: PreTrainedModel, adapters: Mapping[str, object], implementation: str = "stacked"
+        self,
+        base_model: PreTrainedModel,
+        adapters: Mapping[str, object],
+        implementation: str = "stacked",
+        pack_weights: bool | None = None,
     ) -> None:
         self.flags = TrainingFlags(base_model)  # before peft freezes the base and sets eval()
         for name, source in adapters.items():  # every adapter's files, before the first one loads
@@ -49,7 +53,7 @@ class SharedAdapters:
         self.stacked = None
         if implementation == "stacked":
             try:
-                self.stacked = StackedLoRA(peft_model, adapter_names)
+                self.stacked = StackedLoRA(peft_model, adapter_names, pack=pack_weights)
             except StackedLoRAUnsupported as reason:
                 logger.info("using peft's mixed-adapter batches: %s", reason)
         self.implementation = "stacked" if self.stacked is not None else "peft"

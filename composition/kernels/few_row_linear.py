@@ -9,7 +9,7 @@ over 3 rows took 3.5 times its 1-row time for SmolLM2's output layer, and W @ x�
 
 `FewRowLinears` replaces the forward of a model's `nn.Linear` modules by one that, inside `active()`,
 computes a pass over a row count in `TUNED_ROWS` with the kernel `FewRowKernel` chose for it (x @ Wᵀ is
-oneDNN's product where it applies, `_x_wt`), and
+oneDNN's product where it applies, `x_wt`), and
 `close()` gives every module its own forward back. Both kernels compute the same product; only the order
 of their float sums differs.
 
@@ -38,7 +38,6 @@ import ctypes
 import functools
 import os
 import sys
-import time
 import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar, cast
@@ -46,6 +45,8 @@ from typing import TypeVar, cast
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+
+from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch, best, timed_runs
 
 # A CPU pass over this many rows computes its linears with the kernel `FewRowKernel` chose for it by timing;
 # outside it, with F.linear's x @ Wᵀ.
@@ -205,8 +206,9 @@ class FewRowKernel:
     # decoding's adaptive K) leaves a round with a trial in it untimed.
     trial_passes = 0
 
-    def __init__(self, trials: int = 2) -> None:
+    def __init__(self, trials: int = 2, stopwatch: Stopwatch | None = None) -> None:
         self.trials = trials
+        self.stopwatch = Stopwatch() if stopwatch is None else stopwatch  # times each linear of a trial pass
         self.seconds: dict[int, dict[str, list[float]]] = {}  # rows -> kernel -> timed passes
         self.chosen: dict[int, str] = {}
 
@@ -255,8 +257,13 @@ class FewRowLinears:
         pack_model: torch.nn.Module | None = None,
         pack_rows: int = 1,
         extra_rows: dict[torch.nn.Module, torch.Tensor] | None = None,
+        pack: bool | None = None,
+        stopwatch: Stopwatch | None = None,
+        trial_repeats: int = 5,
     ):
         self.kernel = FewRowKernel() if kernel is None else kernel
+        # What the measurement at load chose between packed and dense weights (`pack` None), else None.
+        self.packing: Choice | None = None
         self._on = False
         # The pass under way: its row count, kernel, and whether it is timed; the seconds its linears took.
         self._pass: tuple[int, str, bool] | None = None
@@ -281,7 +288,7 @@ class FewRowLinears:
             # An instance attribute, bound to the module: the class's forward is left alone, `close()` deletes
             # ours, and a deep copy of the model made meanwhile computes with its own weights.
             module.__dict__["forward"] = types.MethodType(self._forward(addition), module)
-        if pack_model is not None:
+        if pack_model is not None and pack is not False:
             packable = [
                 module
                 for module, _ in self._patched
@@ -290,7 +297,14 @@ class FewRowLinears:
                 and can_pack(cast(torch.Tensor, module._parameters["weight"]))
             ]
             extras = extra_rows or {}
-            for members in _sibling_groups(pack_model, packable):
+            groups = _sibling_groups(pack_model, packable)
+            grouped = {id(module) for members in groups for module in members}
+            units = [*groups, *([module] for module in packable if id(module) not in grouped)]
+            measure = pack is None and bool(packable)
+            stopwatch = Stopwatch() if stopwatch is None else stopwatch
+            inputs = _trial_inputs(units, pack_rows) if measure else []
+            dense = _dense_trials(units, extras, inputs, stopwatch, trial_repeats) if measure else {}
+            for members in groups:
                 self._pack_siblings(members, pack_rows, extras)
             for alone in packable:
                 if PACKED in alone.__dict__:
@@ -300,6 +314,11 @@ class FewRowLinears:
                 else:
                     self._pack(alone, Packed(cast(torch.Tensor, alone._parameters["weight"]).data, pack_rows))
             _trim_heap()
+            if measure:
+                packed = timed_runs({"packed": _packed_pass(units, inputs)}, stopwatch, trial_repeats)
+                self.packing = best({**dense, **packed})
+                if self.packing.chosen != "packed":
+                    self._unpack()
 
     def _pack_siblings(
         self, members: list[torch.nn.Module], rows: int, extras: dict[torch.nn.Module, torch.Tensor]
@@ -361,16 +380,13 @@ class FewRowLinears:
             kernel, timing = "x_wt", False
             if current[0] == count:  # (an output layer over fewer rows than a prompt pass keeps x @ Wᵀ)
                 _, kernel, timing = current
-            started = time.perf_counter() if timing else 0.0
-            if kernel == "w_xt":
-                output = torch.mm(weight, rows.T).T.contiguous()  # (N, out)
-                if bias is not None:
-                    output = output + bias
-            else:
-                output = _x_wt(rows, weight, bias)  # (N, out)
             if timing:
-                self._pass_seconds += time.perf_counter() - started
+                product = functools.partial(dense_product, kernel, rows, weight, bias)
+                output, seconds = self.kernel.stopwatch.measure(kernel, product)
+                self._pass_seconds += seconds
                 self._pass_timed += 1
+            else:
+                output = dense_product(kernel, rows, weight, bias)  # (N, out)
             if addition is not None:
                 output = addition(rows, output, None)
             return output.view(*x.shape[:-1], output.shape[-1])
@@ -437,8 +453,13 @@ class FewRowLinears:
                 self.kernel.record(self._pass[0], self._pass[1], self._pass_seconds)
             self._pass = None
 
-    def close(self) -> None:
-        """Give every patched module its previous forward and its dense weight back; idempotent."""
+    @property
+    def packed(self) -> bool:
+        """True while some of the linears' weights are held packed."""
+        return bool(self._packed)
+
+    def _unpack(self) -> None:
+        """Every packed module's dense weight back, bit for bit, and its state-dict hooks removed."""
         for module, weight, handles in reversed(self._packed):
             packed = module.__dict__.pop(PACKED, None)
             if packed is not None:  # (a module that loaded a state dict meanwhile keeps what it loaded)
@@ -446,6 +467,10 @@ class FewRowLinears:
             for handle in handles:
                 handle.remove()
         self._packed, self._groups = [], []
+
+    def close(self) -> None:
+        """Give every patched module its previous forward and its dense weight back; idempotent."""
+        self._unpack()
         for module, previous in reversed(self._patched):
             if previous is None:
                 del module.__dict__["forward"]  # the class's forward again
@@ -454,7 +479,15 @@ class FewRowLinears:
         self._patched = []
 
 
-def _x_wt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def dense_product(kernel: str, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows Wᵀ (+ b), (N, out), by `kernel`: "x_wt" (`x_wt`) or "w_xt" (W @ xᵀ, transposed back)."""
+    if kernel == "w_xt":
+        output = torch.mm(weight, rows.T).T.contiguous()
+        return output if bias is None else output + bias
+    return x_wt(rows, weight, bias)
+
+
+def x_wt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ Wᵀ (+ b): oneDNN's product with the dense weight where it applies (float32 on a CPU, no gradient, no
     autocast), which ran SmolLM2's output layer over 1 to 24 rows in about half F.linear's time on the AVX2 CPU;
     F.linear elsewhere."""
@@ -472,6 +505,65 @@ def _x_wt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     ):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _trial_inputs(units: list[list[torch.nn.Module]], rows: int) -> list[torch.Tensor]:
+    """A seeded random input of `rows` rows for each unit (siblings read one input), one per input size."""
+    generator = torch.Generator().manual_seed(0)
+    by_size: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    inputs = []
+    for members in units:
+        weight = cast(torch.Tensor, members[0]._parameters["weight"])
+        key = (weight.shape[1], weight.dtype)
+        if key not in by_size:
+            by_size[key] = torch.randn(rows, weight.shape[1], generator=generator, dtype=weight.dtype)
+        inputs.append(by_size[key])
+    return inputs
+
+
+def _dense_trials(
+    units: list[list[torch.nn.Module]],
+    extras: dict[torch.nn.Module, torch.Tensor],
+    inputs: list[torch.Tensor],
+    stopwatch: Stopwatch,
+    repeats: int,
+) -> dict[str, list[float]]:
+    """The seconds of every unit's products with dense weights, by each few-row kernel: what a decoding pass of
+    these linears computes unpacked (each member's product, and x Eᵀ of the extra rows by its own `mm`)."""
+    work = []
+    for members, x in zip(units, inputs):
+        for module in members:
+            weight = cast(torch.Tensor, module._parameters["weight"]).detach()
+            bias = module._parameters.get("bias")
+            work.append((x, weight, None if bias is None else bias.detach(), extras.get(module)))
+
+    def run(kernel: str) -> None:
+        with torch.no_grad():
+            for x, weight, bias, extra in work:
+                dense_product(kernel, x, weight, bias)
+                if extra is not None:
+                    torch.mm(x, extra.T)
+
+    return timed_runs({kernel: functools.partial(run, kernel) for kernel in FewRowKernel.KERNELS}, stopwatch, repeats)
+
+
+def _packed_pass(units: list[list[torch.nn.Module]], inputs: list[torch.Tensor]) -> Callable[[], None]:
+    """A run of every unit's products with its packed weights: one product a group, its extra rows included."""
+    work: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    for members, x in zip(units, inputs):
+        packed = members[0].__dict__.get(PACKED)
+        if isinstance(packed, PackedSibling):
+            work.append((x, packed.group.tensor, None))  # (siblings are packed only without biases)
+        elif isinstance(packed, Packed):
+            bias = members[0]._parameters.get("bias")
+            work.append((x, packed.tensor, None if bias is None else bias.detach()))
+
+    def run() -> None:
+        with torch.no_grad():
+            for x, tensor, bias in work:
+                torch.ops.mkldnn._linear_pointwise(x, tensor, bias, "none", [], "")
+
+    return run
 
 
 def _release_pages(weight: torch.Tensor) -> None:

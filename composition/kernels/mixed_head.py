@@ -16,11 +16,14 @@ layer's output, unchanged (`head_is_last`: no soft-capping or scaling after it, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from transformers import PreTrainedModel
 
 from mergecompose.composition.backend import Backend, Caches
+from mergecompose.composition.kernels.few_row_linear import x_wt
+from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch, fastest
 from mergecompose.composition.remedies import step_composer
 from mergecompose.composition.rule import check_scores
 from mergecompose.composition.shared_adapters import SharedAdapters
@@ -129,6 +132,45 @@ class MixedHead:
     def close(self) -> None:
         """Remove the hook (the backend stays open: it belongs to its ComposedLM); idempotent."""
         self._handle.remove()
+
+
+def measure_mixing(
+    backend: object,
+    weights: Sequence[float] | None,
+    num_experts: int,
+    batch: int,
+    stopwatch: Stopwatch,
+    repeats: int = 5,
+) -> Choice:
+    """Whether mixing before the output layer is faster here at `batch` rows a step: "mixed" or "per component".
+
+    Times, on seeded random final hidden states of the k+1 components (`batch` rows each), the work the two ways
+    differ in: the mix, one output-layer product over `batch` rows and one log-softmax, against the output layer over
+    (k+1)·`batch` rows and the rule on every component's logits (`step_composer`, as `decoding_backend` gives it). The
+    layer's product is oneDNN's dense one (`x_wt`), as in a pass."""
+    model = cast(SharedAdapters, backend).base_model
+    head = cast(torch.nn.Linear, model.get_output_embeddings())
+    weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
+    component_exponents = exponents(weights, num_experts)
+    n = len(component_exponents)
+    rule = step_composer(weights, (), weight.shape[0], checked=False)
+    generator = torch.Generator().manual_seed(batch)
+    hidden = torch.randn(n * batch, weight.shape[1], generator=generator).to(weight.device, weight.dtype)
+    mix = torch.tensor(list(component_exponents), dtype=torch.float32, device=weight.device)
+    sync = torch.cuda.synchronize if weight.device.type == "cuda" else (lambda: None)
+
+    def mixed() -> None:
+        mixed = torch.tensordot(mix, hidden.view(n, batch, -1).float(), dims=1).to(hidden.dtype)  # (B, H)
+        compose_mixed(x_wt(mixed, weight, bias)[None])
+        sync()
+
+    def per_component() -> None:
+        logits = x_wt(hidden, weight, bias).view(n, batch, -1)  # (k+1, B, V)
+        rule(logits)
+        sync()
+
+    with torch.no_grad():
+        return fastest({"mixed": mixed, "per component": per_component}, stopwatch, repeats)
 
 
 def compose_mixed(logits: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ from mergecompose.composition.kernels.few_row_linear import (
     same_input_siblings,
     version_of,
 )
+from mergecompose.composition.kernels.stopwatch import Stopwatch
 
 # Up to this many expert rows, the LoRA products take the side-by-side path (module docstring).
 _FEW_EXPERT_ROWS = 64
@@ -113,9 +114,19 @@ class StackedLoRA:
         peft_model: a PeftModel holding the adapters named in `adapter_names` (consumed: its LoRA
             layers are unloaded and the plain base model is kept in `self.model`).
         adapter_names: the experts, in component order 1..k.
+        pack: hold the base's weights in oneDNN's packed layout (True), dense (False), or whichever the base's
+            linears run faster over a decoding step's k+1 rows on this machine, timed at load (None, default;
+            `self.linears.packing` says what was chosen).
+        stopwatch: what times the trials (`kernels/stopwatch.py`); default the clock.
     """
 
-    def __init__(self, peft_model: Any, adapter_names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        peft_model: Any,
+        adapter_names: Sequence[str],
+        pack: bool | None = None,
+        stopwatch: Stopwatch | None = None,
+    ) -> None:
         self.adapter_names = list(adapter_names)
         self.n_components = len(self.adapter_names) + 1
         self._on = False
@@ -152,8 +163,17 @@ class StackedLoRA:
             elif path in stacked:  # e.g. GPT-2's Conv1D: keep its forward, add the products after it
                 self._handles.append(module.register_forward_hook(self._hook(stacked[path])))
         # The shared base's linears run over (k+1)·B rows at a decoding step: their weights packed where oneDNN
-        # can (the base's own bytes, reordered in place until `close()`), else the few-row kernel (few_row_linear.py).
-        self.linears = FewRowLinears(linears, pack_model=self.model, pack_rows=self.n_components, extra_rows=extra_rows)
+        # can and it is faster here (the base's own bytes, reordered in place until `close()`), else the few-row
+        # kernel (few_row_linear.py), each chosen by timing.
+        self.linears = FewRowLinears(
+            linears,
+            FewRowKernel(stopwatch=stopwatch),
+            pack_model=self.model,
+            pack_rows=self.n_components,
+            extra_rows=extra_rows,
+            pack=pack,
+            stopwatch=stopwatch,
+        )
 
     @property
     def few_rows(self) -> FewRowKernel:

@@ -32,12 +32,10 @@ def _packed_modules(model):
     return [name for name, module in model.named_modules() if PACKED in module.__dict__]
 
 
-def test_packed_composition_decodes_as_the_dense_one(tiny_config, lora_dirs, monkeypatch):
+def test_packed_composition_decodes_as_the_dense_one(tiny_config, lora_dirs):
     ids, mask = left_padded_batch([6, 4], seed=7)
-    packed = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), _adapters(lora_dirs))
-    with monkeypatch.context() as patch:
-        patch.setattr(few_row_linear, "can_pack", lambda weight: False)
-        dense = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), _adapters(lora_dirs))
+    packed = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), _adapters(lora_dirs), pack_weights=True)
+    dense = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), _adapters(lora_dirs), pack_weights=False)
     assert _packed_modules(packed.backend.model) and not _packed_modules(dense.backend.model)
     # 2 layers x 7 projections; the output layer stays dense (its shape is the vocabulary).
     assert len(_packed_modules(packed.backend.model)) == 14
@@ -49,7 +47,7 @@ def test_packed_composition_decodes_as_the_dense_one(tiny_config, lora_dirs, mon
 def test_the_base_gets_its_weights_back_bit_for_bit(tiny_config, lora_dirs):
     base = random_llama(tiny_config, seed=0)
     before = {name: (parameter, parameter.detach().clone()) for name, parameter in base.named_parameters()}
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs), pack_weights=True)
     q_proj = base.model.layers[0].self_attn.q_proj
     assert q_proj.weight.numel() == 0  # the dense bytes are freed while packed
     # state_dict() meanwhile gives the dense weights, equal to the originals.
@@ -66,7 +64,7 @@ def test_the_base_gets_its_weights_back_bit_for_bit(tiny_config, lora_dirs):
 def test_a_deep_copy_made_while_packed_computes_on_its_own(tiny_config, lora_dirs):
     base = random_llama(tiny_config, seed=0)
     reference = random_llama(tiny_config, seed=0)
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs), pack_weights=True)
     copied = copy.deepcopy(base)
     composed.close()
     ids = torch.tensor([[4, 5, 6, 7]])
@@ -83,7 +81,7 @@ def test_a_forward_that_needs_gradients_gets_them(tiny_config, lora_dirs):
     """oneDNN's packed product has no autograd formula: a forward with gradients uses the dense weight."""
     base = random_llama(tiny_config, seed=0)
     reference = random_llama(tiny_config, seed=0)
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs), pack_weights=True)
     q_proj, expected = base.model.layers[0].self_attn.q_proj, reference.model.layers[0].self_attn.q_proj
     x = torch.randn(3, tiny_config.hidden_size, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
@@ -99,7 +97,7 @@ def test_a_weight_held_elsewhere_keeps_its_bytes(tiny_config, lora_dirs):
     base = random_llama(tiny_config, seed=0)
     alias = base.model.layers[0].self_attn.q_proj.weight.data  # another tensor on the same storage
     expected = alias.clone()
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs), pack_weights=True)
     assert torch.equal(alias, expected)
     composed.close()
 
@@ -121,7 +119,7 @@ def test_the_merging_api_reads_and_copies_a_base_held_packed(tiny_config, lora_d
     """A user who merges from the base a composition holds gets what the dense base gives."""
     base = random_llama(tiny_config, seed=0)
     reference = random_llama(tiny_config, seed=0)
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs), pack_weights=True)
     assert _packed_modules(base)
     tau = TaskVector.from_lora(base, lora_dirs["cd"])
     expected = TaskVector.from_lora(reference, lora_dirs["cd"])
@@ -140,7 +138,7 @@ def test_the_merging_api_reads_and_copies_a_base_held_packed(tiny_config, lora_d
 def test_a_state_dict_loaded_while_packed_is_kept_at_close(tiny_config, lora_dirs):
     base = random_llama(tiny_config, seed=0)
     other = random_llama(tiny_config, seed=1)
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs), pack_weights=True)
     base.load_state_dict(other.state_dict())
     assert not _packed_modules(base)
     composed.close()
@@ -152,7 +150,7 @@ def test_siblings_that_read_one_input_are_one_packed_product(tiny_config, lora_d
     """q/k/v and gate/up are packed as one matrix each: a forward runs 4 oneDNN products a layer, not 7 (and not 9
     for the A products of q/v and down, packed with the weights)."""
     base = random_llama(tiny_config, seed=0)
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs), pack_weights=True)
     layer = base.model.layers[0]
     attention, mlp = layer.self_attn, layer.mlp
     held = {name: getattr(attention, name).__dict__[PACKED] for name in ["q_proj", "k_proj", "v_proj", "o_proj"]}
@@ -179,7 +177,7 @@ def test_a_sibling_computes_anew_what_it_cannot_take(tiny_config, lora_dirs):
     """A sibling takes its columns of the kept product only for the same input, unchanged, and only once."""
     base = random_llama(tiny_config, seed=0)
     reference = random_llama(tiny_config, seed=0)
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs), pack_weights=True)
     attention, expected = base.model.layers[1].self_attn, reference.model.layers[1].self_attn
     x, other = torch.randn(3, tiny_config.hidden_size), torch.randn(3, tiny_config.hidden_size)
     with torch.no_grad():
@@ -200,7 +198,7 @@ def test_a_sibling_computes_anew_what_it_cannot_take(tiny_config, lora_dirs):
 
 def test_siblings_deep_copied_together_share_their_copy(tiny_config, lora_dirs):
     base = random_llama(tiny_config, seed=0)
-    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs))
+    composed = ComposedLM.from_adapters(base, _adapters(lora_dirs), pack_weights=True)
     copied = copy.deepcopy(base)
     original = base.model.layers[0].self_attn
     attention = copied.model.layers[0].self_attn

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.kernels import few_row_linear
 from mergecompose.core.tiny import random_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,17 +19,19 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture
 def composition(tiny_config, lora_dirs):
-    lm = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
+    """The base's weights packed where oneDNN can (`pack_weights=True`, whatever timing would choose)."""
+    adapters = {k: str(v) for k, v in lora_dirs.items()}
+    lm = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), adapters, pack_weights=True)
     yield lm
     lm.close()
 
 
 @pytest.fixture
-def dense_composition(tiny_config, lora_dirs, monkeypatch):
-    """The base's weights left dense (as where oneDNN cannot pack them): the A products are computed by `mm`."""
-    with monkeypatch.context() as patch:
-        patch.setattr(few_row_linear, "can_pack", lambda weight: False)
-        lm = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), {k: str(v) for k, v in lora_dirs.items()})
+def dense_composition(tiny_config, lora_dirs):
+    """The base's weights left dense (as where oneDNN cannot pack them, or packing timed slower): the A products are
+    computed by `mm`."""
+    adapters = {k: str(v) for k, v in lora_dirs.items()}
+    lm = ComposedLM.from_adapters(random_llama(tiny_config, seed=0), adapters, pack_weights=False)
     yield lm
     lm.close()
 
