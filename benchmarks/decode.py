@@ -2,6 +2,9 @@
 
 Systems, all greedy, same prompts, same number of new tokens (EOS disabled):
   (a) base    the base alone with transformers' `generate`
+  (a') kernels   the base alone with `generate`, its linears given the composition's kernels: packed by oneDNN if
+              the LoRA composition's timing at load packed its base (if `lora` is not run, if the base's own timing
+              packs), dense otherwise (`FewRowLinears`); (c) against it is the composition's own overhead
   (b) full    ComposedLM with two full expert models (one KV cache each)
   (c) lora    ComposedLM.from_adapters: two LoRA experts on one shared base, one batched pass
   (d) naive   re-runs base and both experts on the whole prefix every step (as DExperts does)
@@ -53,6 +56,7 @@ from benchmarks.real_model import add_model_arguments, real_workload
 from benchmarks.report import conditions, conditions_line, write_results
 from benchmarks.shapes import gemma2_2b_config
 from mergecompose.composition import ComposedLM, SpeculationStats, compose_logprobs
+from mergecompose.composition.kernels.few_row_linear import FewRowLinears
 from mergecompose.core.boundary import check_model_or_adapter
 from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import ALL_LINEAR, tiny_llama_config
@@ -64,11 +68,12 @@ from mergecompose.studies.letters.task import sample_strings
 from mergecompose.studies.math_code.chat_data import generation_inputs
 from mergecompose.studies.math_code.math_problems import math_split
 
-SYSTEMS = ["base", "full", "lora", "naive"]
+SYSTEMS = ["base", "kernels", "full", "lora", "naive"]
 # Speculative systems -> the composition each one speeds up.
 SPECULATIVE = {"full+spec": "full", "lora+spec": "lora"}
 NAMES = {
     "base": "(a) base generate",
+    "kernels": "(a') base, same kernels",
     "full": "(b) composed, full",
     "lora": "(c) composed, LoRA",
     "naive": "(d) naive re-run",
@@ -216,6 +221,15 @@ class Workbench:
                 self.systems[name] = lambda prompt, name=name, plain=plain: self._speculate(
                     name, getattr(self, plain), prompt
                 )
+        if "kernels" in systems:
+            # After the LoRA composition, whose timing at load chose packed or dense weights for its base.
+            stacked = getattr(getattr(self, "lora", None), "backend", None)
+            stacked = getattr(stacked, "stacked", None)  # None: no LoRA composition, or peft's
+            pack = None if stacked is None else stacked.linears.packed
+            self.kernels_base = fresh_base()
+            linears = [(module, None) for module in self.kernels_base.modules() if type(module) is torch.nn.Linear]
+            self.kernel_linears = FewRowLinears(linears, pack_model=self.kernels_base, pack=pack)
+            self.systems["kernels"] = lambda prompt: self._run_base(prompt, self.kernels_base)
         if "naive" in systems:
             self.naive_models = [self.base, *experts]
             self.systems["naive"] = self._run_naive
@@ -380,10 +394,10 @@ class Workbench:
         return out
 
     @torch.no_grad()
-    def _run_base(self, prompt):
+    def _run_base(self, prompt, model=None):
         # transformers continues `position_ids` by one per token: the letters' generated positions.
         prompt = {key: value for key, value in prompt.items() if key != "generated_position_ids"}
-        return self.base.generate(
+        return (self.base if model is None else model).generate(
             **prompt, max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens, do_sample=False
         )
 
@@ -542,6 +556,8 @@ def main(argv=None) -> int:
         for name, row in rows.items():
             if "base" in rows:
                 row["ratio_to_base"] = row["tokens_per_second"] / rows["base"]["tokens_per_second"]
+            if "kernels" in rows:
+                row["ratio_to_same_kernels"] = row["tokens_per_second"] / rows["kernels"]["tokens_per_second"]
             if name in SPECULATIVE:
                 row.update(speculation_summary(bench.speculation[name], args.draft_tokens))
                 bench.speculation[name].clear()
@@ -550,6 +566,7 @@ def main(argv=None) -> int:
                         row["tokens_per_second"] / rows[SPECULATIVE[name]]["tokens_per_second"]
                     )
         results["batches"][str(batch)] = rows
+    results["speed_choices"] = speed_choices(bench)
     if not args.no_memory:
         results["peak_rss_mb"] = {name: peak_rss_mb(args, name) for name in args.systems}
     if args.profile:
@@ -559,6 +576,22 @@ def main(argv=None) -> int:
     print(conditions_line(started, results["conditions"]["end"]))
     write_results(results, args.out)
     return 0
+
+
+def speed_choices(bench: Workbench) -> dict[str, object]:
+    """What the timings on this machine chose, by system: the compositions' `speed_choices`, and whether the
+    same-kernels base is packed."""
+    choices: dict[str, object] = {}
+    for name in ["full", "lora"]:
+        if hasattr(bench, name):
+            choices[name] = getattr(bench, name).speed_choices
+    if hasattr(bench, "kernel_linears"):
+        linears = bench.kernel_linears
+        choices["kernels"] = {
+            "packed": linears.packed,
+            **({"packing": linears.packing.summary()} if linears.packing else {}),
+        }
+    return choices
 
 
 def profile_systems(bench: Workbench, batch: int, rows: int) -> dict[str, list[dict]]:
@@ -602,6 +635,7 @@ def print_table(results) -> None:
             batch,
             f"{row['tokens_per_second']:.1f}",
             _ratio(row, "ratio_to_base"),
+            _ratio(row, "ratio_to_same_kernels"),
             _ratio(row, "ratio_to_composition"),
             _ratio(row, "acceptance_rate"),
             _ratio(row, "tokens_per_round"),
@@ -617,6 +651,7 @@ def print_table(results) -> None:
                 "batch",
                 "tokens/s",
                 "ratio to (a)",
+                "ratio to (a')",
                 "ratio to its composition",
                 "acceptance a",
                 "tokens a round",
@@ -633,6 +668,8 @@ def print_table(results) -> None:
             for name, value in memory.items()
         ]
         print(markdown_table(["system", "peak RSS MiB", "ratio to (a)"], rows, pad=True))
+    for name, choices in results.get("speed_choices", {}).items():
+        print(f"speed choices of {NAMES[name]}: {choices}")
 
 
 if __name__ == "__main__":

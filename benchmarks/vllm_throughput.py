@@ -9,14 +9,16 @@ every projection) and two full experts, saved to a temporary folder; `mergecompo
 both compositions. Each system gets its own engine, one after the other in this process; each batch of
 prompts (length 16) decodes `--new-tokens` tokens greedily, EOS ignored, after one warm-up batch. Ratios are
 composed tokens/s over the base's, measured in the same run, by the clock and per CPU-second of this process (the
-steadier figure on shared cores). The systems run one after the other (not interleaved); each point is the
-best of `--repeats` timed batches.
+steadier figure on shared cores). Every system's engine is built first and kept; then each of `--repeats` rounds
+times one batch of every system in turn (interleaved), and each point is the median of its rounds. `--profile N`
+then runs one batch of each system at the first batch size under torch.profiler and prints its N most expensive
+operators (self CPU time); `--systems` picks the systems.
 
 With `--model DIR|NAME` (and `--expert DIR…`, benchmarks/real_model.py) the base and its LoRA experts are those
 checkpoints instead; the full-expert composition then uses each adapter merged into a copy of the base:
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m benchmarks.vllm_throughput \
-        --model smollm2-135m-instruct --repeats 3
+        --model smollm2-135m-instruct --repeats 7 --profile 20
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -32,11 +35,15 @@ import torch
 
 from benchmarks.lm_eval import benchmark_characters
 from benchmarks.real_model import add_model_arguments, real_workload
-from benchmarks.report import conditions, write_results
+from benchmarks.report import conditions, conditions_line, write_results
 from mergecompose.analysis.data import SPECIAL_TOKENS, char_tokenizer
 from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
 from mergecompose.integrations.vllm.folder import build_vllm_model
+
+
+# --systems names -> the systems' names in tables and results.
+SYSTEMS = {"base": "base", "lora": "composed, 2 LoRA experts", "full": "composed, 2 full experts"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +54,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--repeats", type=int, default=2, help="timed batches per point (the best is kept)")
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds; each point is their median")
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timings, run one batch of each system at the first batch size under torch.profiler and "
+        "print its N most expensive operators (self CPU time)",
+    )
     parser.add_argument("--out", default="benchmarks/results/vllm_throughput.json")
     add_model_arguments(parser)
     return parser
@@ -100,11 +116,8 @@ def save_real_models(args, folder: Path) -> dict[str, Path]:
     }
 
 
-def tokens_per_second(engine, args, batch: int) -> dict[str, float]:
-    """{"wall": tokens per second, "cpu": tokens per CPU-second of this process}, each the best of `--repeats`.
-
-    vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so its CPU time is this process's; on shared
-    cores the CPU-time rate is the steadier one."""
+def prompts_and_params(args, batch: int):
+    """`batch` prompts of 16 random ids (seeded by the batch size) and greedy sampling of `--new-tokens`, EOS ignored."""
     from vllm import SamplingParams
 
     generator = torch.Generator().manual_seed(batch)
@@ -112,15 +125,58 @@ def tokens_per_second(engine, args, batch: int) -> dict[str, float]:
         {"prompt_token_ids": torch.randint(len(SPECIAL_TOKENS), args.vocab, (16,), generator=generator).tolist()}
         for _ in range(batch)
     ]
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    engine.generate(prompts, params, use_tqdm=False)  # warm-up
-    wall, cpu = float("inf"), float("inf")
-    for _ in range(args.repeats):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        outputs = engine.generate(prompts, params, use_tqdm=False)
-        wall, cpu = min(wall, time.perf_counter() - start), min(cpu, time.process_time() - start_cpu)
-    tokens = sum(len(output.outputs[0].token_ids) for output in outputs)
-    return {"wall": tokens / wall, "cpu": tokens / cpu}
+    return prompts, SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+
+
+def time_batch(engine, prompts, params) -> dict[str, float]:
+    """{"wall": seconds, "cpu": CPU-seconds of this process, "tokens": tokens made} of one batch.
+
+    vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so its CPU time is this process's; on shared
+    cores the CPU-time rate is the steadier one."""
+    start, start_cpu = time.perf_counter(), time.process_time()
+    outputs = engine.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    return {"wall": wall, "cpu": cpu, "tokens": sum(len(output.outputs[0].token_ids) for output in outputs)}
+
+
+def interleaved_rates(engines: dict, args) -> dict[str, dict[int, dict[str, float]]]:
+    """Tokens per second and per CPU-second of each system at each batch size: one warm-up batch each, then
+    `--repeats` rounds in which every system decodes one batch in turn; the median of the rounds."""
+    rates: dict[str, dict[int, dict[str, float]]] = {system: {} for system in engines}
+    for batch in args.batches:
+        prompts, params = prompts_and_params(args, batch)
+        for engine in engines.values():
+            engine.generate(prompts, params, use_tqdm=False)  # warm-up
+        runs: dict[str, list[dict[str, float]]] = {system: [] for system in engines}
+        for _ in range(args.repeats):
+            for system, engine in engines.items():
+                runs[system].append(time_batch(engine, prompts, params))
+        for system, timed in runs.items():
+            rates[system][batch] = {
+                clock: statistics.median(run["tokens"] / run[clock] for run in timed) for clock in ("wall", "cpu")
+            }
+    return rates
+
+
+def profile_engines(engines: dict, args, rows: int) -> dict[str, list[dict]]:
+    """Each system's `rows` most expensive operators (self CPU time) in one batch at the first batch size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts, params = prompts_and_params(args, args.batches[0])
+    tables = {}
+    for system, engine in engines.items():
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            engine.generate(prompts, params, use_tqdm=False)
+        events = sorted(profiler.key_averages(), key=lambda event: -event.self_cpu_time_total)
+        total = sum(event.self_cpu_time_total for event in events)
+        tables[system] = [
+            {"operator": event.key, "calls": event.count, "self_cpu_ms": event.self_cpu_time_total / 1e3}
+            for event in events[:rows]
+        ]
+        print(f"profile of {system}, batch {args.batches[0]}: self CPU {total / 1e3:.0f} ms in all")
+        table = [[row["operator"], row["calls"], f"{row['self_cpu_ms']:.1f}"] for row in tables[system]]
+        print(markdown_table(["operator", "calls", "self CPU ms"], table, pad=True))
+    return tables
 
 
 def main(argv=None) -> int:
@@ -129,21 +185,27 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM  # after the environment above, which vLLM reads at import
 
-    results = {"settings": vars(args), "systems": {}}
+    results: dict = {"settings": vars(args), "systems": {}}
     with tempfile.TemporaryDirectory() as temporary:
         folders = save_real_models(args, Path(temporary)) if args.model else save_models(args, Path(temporary))
+        wanted = {SYSTEMS[name] for name in ["base", *args.systems]}
+        engines = {}
         started_conditions = conditions(args.repeats)
         for system, folder in folders.items():
+            if system not in wanted:
+                continue
             start = time.perf_counter()
-            engine = LLM(model=str(folder), dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
-            started = time.perf_counter() - start
-            results["systems"][system] = {
-                "start_s": started,
-                "tokens_per_s": {batch: tokens_per_second(engine, args, batch) for batch in args.batches},
-            }
+            engines[system] = LLM(model=str(folder), dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+            results["systems"][system] = {"start_s": time.perf_counter() - start}
+        for system, rates in interleaved_rates(engines, args).items():
+            results["systems"][system]["tokens_per_s"] = rates
+        results["conditions"] = {"start": started_conditions, "end": conditions(args.repeats)}
+        if args.profile:
+            results["profile"] = profile_engines(engines, args, args.profile)
+        for engine in engines.values():
             engine.llm_engine.engine_core.shutdown()
-            del engine
-            gc.collect()
+        engines.clear()
+        gc.collect()
     base = results["systems"]["base"]["tokens_per_s"]
     rows = [
         [
@@ -169,13 +231,8 @@ def main(argv=None) -> int:
             rows,
         )
     )
-    results["conditions"] = {"start": started_conditions, "end": conditions(args.repeats)}
     start, end = results["conditions"]["start"], results["conditions"]["end"]
-    print(
-        f"commit {start['commit']}, load average {start['load_average_1min']} at the start and "
-        f"{end['load_average_1min']} at the end; each point the best of {args.repeats} timed batches, "
-        "the systems one after the other"
-    )
+    print(conditions_line(start, end) + ", the systems interleaved")
     write_results(results, args.out)
     return 0
 
