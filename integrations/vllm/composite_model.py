@@ -27,6 +27,7 @@ reads is written by `mergecompose.integrations.vllm.folder.build_vllm_model`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import string
 from collections.abc import Iterable
@@ -41,6 +42,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.model_executor.models.utils import maybe_prefix
 
+from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch, fastest
 from mergecompose.composition.rule import compose_logprobs_unchecked
 
 
@@ -103,6 +105,19 @@ class ComposedForCausalLM(nn.Module):
                     members = [getattr(self, name).get_submodule(module_name) for name in self.group[1:]]
                     _set_module(self.base, module_name, _StackedAttention(attention, members))
         self.register_buffer("weights", torch.tensor(composition["weights"], dtype=torch.float32), persistent=False)
+        exponents = [1.0 - sum(composition["weights"]), *composition["weights"]]  # base first, as component_names
+        self.register_buffer("exponents", torch.tensor(exponents, dtype=torch.float32), persistent=False)
+        # Mixing the final hidden states before one head pass (`compute_logits`): None, chosen by timing at each row
+        # count (a power of two bucket); True or False, fixed (`set_mix_before_head`).
+        self.mix_before_head: bool | None = None
+        self.mixing: dict[int, Choice] = {}
+        logits_processor = getattr(self.base, "logits_processor", None)
+        self.can_mix = (
+            len(self.group) == len(self.component_names)  # every expert a LoRA expert: one head for all
+            and logits_processor is not None
+            and getattr(logits_processor, "soft_cap", 1.0) is None  # logits linear in the hidden state
+            and not getattr(logits_processor, "logits_as_input", True)
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.base.embed_input_ids(input_ids)
@@ -124,7 +139,39 @@ class ComposedForCausalLM(nn.Module):
                 hidden[name] = getattr(self, name)(input_ids, positions, intermediate_tensors, None)
         return torch.cat([hidden[name] for name in self.component_names], dim=-1)  # (tokens, (k+1)·hidden)
 
+    def set_mix_before_head(self, value: bool | None) -> None:
+        """Fix whether `compute_logits` mixes before the head (True, False), or let timing choose (None)."""
+        self.mix_before_head = value
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The composed log-probs `(tokens, V)` of the components' final hidden states `(tokens, (k+1)·hidden)`.
+
+        Where every expert is a LoRA expert of the base and the head's logits are linear in the hidden state (no
+        soft-capping), the rule is log_softmax(head(Σ_c e_c h_c)) (composition/kernels/mixed_head.py): one head pass
+        over the tokens instead of one a component, equal to the rule up to float rounding. Whether that is faster
+        here is timed once per bucket of row counts on the first call's own hidden states (kernels/stopwatch.py)."""
+        if not self.can_mix or self.mix_before_head is False:
+            return self._logits_per_component(hidden_states)
+        if self.mix_before_head:
+            return self._mixed_logits(hidden_states)
+        bucket = 1 << max(hidden_states.shape[0] - 1, 0).bit_length()  # 1, 2, 4, 8, ...
+        if bucket not in self.mixing:
+            options = {
+                "mixed": functools.partial(self._mixed_logits, hidden_states),
+                "per component": functools.partial(self._logits_per_component, hidden_states),
+            }
+            self.mixing[bucket] = fastest(options, Stopwatch(), repeats=3)
+        if self.mixing[bucket].chosen == "mixed":
+            return self._mixed_logits(hidden_states)
+        return self._logits_per_component(hidden_states)
+
+    def _mixed_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        size = len(self.component_names)
+        stacked = hidden_states.unflatten(-1, (size, -1)).float()  # (tokens, k+1, hidden)
+        mixed = torch.einsum("c,tch->th", self.exponents, stacked).to(hidden_states.dtype)  # (tokens, hidden)
+        return torch.log_softmax(self.base.compute_logits(mixed).float(), dim=-1)
+
+    def _logits_per_component(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         chunks = dict(
             zip(self.component_names, hidden_states.chunk(len(self.component_names), dim=-1))
         )  # (tokens, hidden) each
@@ -156,24 +203,43 @@ class _StackedLoRADelta(nn.Module):
     """The LoRA paths of one base projection for a group of G members stacked along the tokens (member 0: the base).
 
     A forward hook: with x `(G·tokens, in)` and the projection's output `(G·tokens, out)`, member g's rows get
-    output[g, :, start:end] += (x_g @ Aᵀ) @ (scaling · B)ᵀ, with A `(r, in)` and B `(end − start, r)`.
+    output[g, :, start:end] += (x_g @ Aᵀ) @ (scaling · B)ᵀ for each of its paths, with A `(r, in)` and B
+    `(end − start, r)`. All paths are computed at once, as `ComposedLM`'s stacked LoRA does at a decoding step
+    (composition/kernels/stacked_lora.py): their A side by side, `A_all` `(in, R)`, R the sum of their ranks; their B
+    in one `(R, hi − lo)` matrix, each path's B in its rows and its output slice's columns, zeros elsewhere
+    ([lo, hi) spans every path's slice); then
+
+        output[:, lo:hi] += ((x A_all) ⊙ M) B_all
+
+    where the 0/1 mask M keeps, in member g's rows, the columns of g's own paths (in the base's rows, none): two
+    matrix products and a mask a projection, instead of two products a path (six a member for a fused q/k/v). The
+    zeros add exactly nothing.
     """
 
     def __init__(self, size: int, members: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]):
         super().__init__()
         self.size = size
-        self.paths = [(member, start, end) for member, pieces in members.items() for start, end, _, _ in pieces]
-        tensors = [(lora_a, lora_b) for pieces in members.values() for _, _, lora_a, lora_b in pieces]
-        for index, (lora_a, lora_b) in enumerate(tensors):
-            self.register_buffer(f"lora_a_{index}", lora_a, persistent=False)
-            self.register_buffer(f"lora_b_{index}", lora_b, persistent=False)
+        paths = [(member, start, end, a, b) for member, pieces in members.items() for start, end, a, b in pieces]
+        self.low = min(start for _, start, _, _, _ in paths)
+        self.high = max(end for _, _, end, _, _ in paths)
+        lora_a = torch.cat([a for _, _, _, a, _ in paths])  # (R, in)
+        lora_b = lora_a.new_zeros(lora_a.shape[0], self.high - self.low)  # (R, hi − lo)
+        mask = lora_a.new_zeros(size, lora_a.shape[0])  # (G, R)
+        row = 0
+        for member, start, end, a, b in paths:
+            lora_b[row : row + a.shape[0], start - self.low : end - self.low] = b.t()
+            mask[member, row : row + a.shape[0]] = 1
+            row += a.shape[0]
+        self.register_buffer("lora_a", lora_a.t().contiguous(), persistent=False)  # (in, R)
+        self.register_buffer("lora_b", lora_b, persistent=False)
+        self.register_buffer("mask", mask[:, None, :], persistent=False)  # (G, 1, R)
 
     def add_to_output(self, module: nn.Module, inputs: tuple, output):
-        x = inputs[0].unflatten(0, (self.size, -1))  # (G, tokens, in)
-        result = (output[0] if isinstance(output, tuple) else output).unflatten(0, (self.size, -1))  # (G, tokens, out)
-        for index, (member, start, end) in enumerate(self.paths):
-            low_rank = x[member] @ getattr(self, f"lora_a_{index}").t()  # (tokens, r)
-            result[member, :, start:end] += low_rank @ getattr(self, f"lora_b_{index}").t()
+        x = inputs[0]  # (G·tokens, in)
+        result = output[0] if isinstance(output, tuple) else output  # (G·tokens, out)
+        hidden = (x @ self.lora_a).unflatten(0, (self.size, -1))  # (G, tokens, R)
+        hidden.mul_(self.mask)
+        result[:, self.low : self.high] += hidden.flatten(0, 1) @ self.lora_b
         return output
 
 

@@ -98,3 +98,28 @@ def test_continuous_batching_gives_each_request_its_own_output(engine):
     alone = [engine.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0] for prompt in requests]
     assert len({len(prompt) for prompt in requests}) > 8  # different lengths, scheduled together
     assert [list(o.outputs[0].token_ids) for o in together] == [list(o.outputs[0].token_ids) for o in alone]
+
+
+def test_mixing_before_the_head_or_not_gives_the_reference(engine, kind, reference):
+    """LoRA experts share the base's head: the composite may mix the final hidden states before one head pass, as
+    timing at each row count chooses; fixed either way, it gives the reference's tokens and log-probs."""
+    assert engine.apply_model(lambda model: model.can_mix) == [kind == "lora"]  # full experts: a head each
+    requests = prompts(4, seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=0)
+    for mix in (True, False, None):
+        engine.apply_model(lambda model, mix=mix: model.set_mix_before_head(mix))
+        outputs = engine.generate([{"prompt_token_ids": prompt} for prompt in requests], params, use_tqdm=False)
+        for prompt, output in zip(requests, outputs):
+            generated = list(output.outputs[0].token_ids)
+            assert generated == reference_greedy(reference, prompt, 8)
+            ids = torch.tensor([prompt + generated])
+            with torch.no_grad():
+                expected = reference.logprobs(ids, torch.ones_like(ids))[0, len(prompt) - 1 : -1]  # (n, V)
+            got = torch.tensor([step[token].logprob for step, token in zip(output.outputs[0].logprobs, generated)])
+            want = expected[torch.arange(len(generated)), torch.tensor(generated)]
+            assert (got - want).abs().max().item() < 1e-4
+    chosen = engine.apply_model(lambda model: {bucket: choice.chosen for bucket, choice in model.mixing.items()})[0]
+    if kind == "lora":  # timed at the row counts it met (4 requests, then fewer as they end), each chosen
+        assert chosen and set(chosen.values()) <= {"mixed", "per component"}
+    else:
+        assert chosen == {}
