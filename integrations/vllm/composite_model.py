@@ -38,7 +38,6 @@ from safetensors.torch import load_file
 from torch import nn
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.model_executor.models.utils import maybe_prefix
@@ -98,7 +97,6 @@ class ComposedForCausalLM(nn.Module):
                 member: pieces[module_name] for member, pieces in enumerate(adapters, start=1) if module_name in pieces
             }
             delta = _StackedLoRADelta(len(self.group), members)
-            delta.module_name = module_name
             self.base.get_submodule(module_name).register_forward_hook(delta.add_to_output)
             self.lora_deltas.append(delta)
         if len(self.group) > 1:
@@ -198,8 +196,6 @@ class ComposedForCausalLM(nn.Module):
                 continue
             names = getattr(self, component).load_weights((name.split(".", 1)[1], tensor) for name, tensor in group)
             loaded |= {f"{component}.{name}" for name in names or ()}
-        for delta in self.lora_deltas:  # before vLLM prepares the loaded weights for its kernels
-            delta.fold_into(self.base.get_submodule(delta.module_name))
         return loaded
 
 
@@ -218,14 +214,7 @@ class _StackedLoRADelta(nn.Module):
     where the 0/1 mask M keeps, in member g's rows, the columns of g's own paths (in the base's rows, none): two
     matrix products and a mask a projection, instead of two products a path (six a member for a fused q/k/v). The
     zeros add exactly nothing.
-
-    Folded (`fold_into`, once the base's weights are loaded): A_allᵀ is appended to the projection's weight as R
-    more output rows, so x A_all comes out of the base's own product (one kernel call, the base's weights and A read
-    once), and the hook takes those R columns off the output again. As `ComposedLM` does with its packed weights.
     """
-
-    module_name = ""  # the base projection it is hooked on
-    folded: int | None = None  # the projection's own output width, once A_all is folded into its weight
 
     def __init__(self, size: int, members: dict[int, list[tuple[int, int, torch.Tensor, torch.Tensor]]]):
         super().__init__()
@@ -245,36 +234,13 @@ class _StackedLoRADelta(nn.Module):
         self.register_buffer("lora_b", lora_b, persistent=False)
         self.register_buffer("mask", mask[:, None, :], persistent=False)  # (G, 1, R)
 
-    def fold_into(self, module: nn.Module) -> None:
-        """Append A_allᵀ (R, in) to `module`'s weight (and R zeros to its bias): a plain unquantized linear of the
-        factors' dtype and input size only; any other is left as it is, and the hook computes x A_all itself."""
-        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-        if (
-            not isinstance(module, LinearBase)
-            or not isinstance(getattr(module, "quant_method", None), UnquantizedLinearMethod)
-            or not isinstance(weight, torch.Tensor)
-            or weight.dim() != 2
-            or weight.dtype != self.lora_a.dtype
-            or weight.shape[1] != self.lora_a.shape[0]
-            or (bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]))
-        ):
-            return
-        self.folded = weight.shape[0]
-        weight.data = torch.cat([weight.data, self.lora_a.t().to(weight.device)])  # (out + R, in)
-        if bias is not None:
-            bias.data = torch.cat([bias.data, bias.data.new_zeros(self.lora_a.shape[1])])
-
     def add_to_output(self, module: nn.Module, inputs: tuple, output):
-        result = output[0] if isinstance(output, tuple) else output  # (G·tokens, out), or (G·tokens, out + R) folded
-        if self.folded is None:
-            hidden = inputs[0] @ self.lora_a  # (G·tokens, R)
-        else:
-            hidden, result = result[:, self.folded :], result[:, : self.folded]  # views
-        hidden = hidden.unflatten(0, (self.size, -1)).mul(self.mask).flatten(0, 1)  # (G·tokens, R)
-        result[:, self.low : self.high] += hidden @ self.lora_b
-        if self.folded is None:
-            return output
-        return (result, *output[1:]) if isinstance(output, tuple) else result
+        x = inputs[0]  # (G·tokens, in)
+        result = output[0] if isinstance(output, tuple) else output  # (G·tokens, out)
+        hidden = (x @ self.lora_a).unflatten(0, (self.size, -1))  # (G, tokens, R)
+        hidden.mul_(self.mask)
+        result[:, self.low : self.high] += hidden.flatten(0, 1) @ self.lora_b
+        return output
 
 
 class _StackedAttention(nn.Module):

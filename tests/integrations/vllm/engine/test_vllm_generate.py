@@ -123,13 +123,3 @@ def test_mixing_before_the_head_or_not_gives_the_reference(engine, kind, referen
         assert chosen and set(chosen.values()) <= {"mixed", "per component"}
     else:
         assert chosen == {}
-
-
-def test_the_lora_factors_a_come_out_of_the_base_projections(engine, kind):
-    """Each adapted base projection holds its experts' A factors as extra output rows (`_StackedLoRADelta.fold_into`):
-    x A comes out of the base's own product; the tests above see the same tokens and log-probs as the reference."""
-    folded = engine.apply_model(lambda model: [delta.folded for delta in model.lora_deltas])[0]
-    if kind == "lora":
-        assert folded and all(width is not None for width in folded)
-    else:
-        assert folded == []
