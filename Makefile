@@ -46,8 +46,8 @@ run: $(VENV)/.installed
 
 # The real-model decode benchmark (benchmarks/README.md): SmolLM2-135M-Instruct, fp32, 2 threads, batch 1 and 8.
 bench: $(VENV)/.installed
-	$(BIN)/python -m benchmarks.decode --model smollm2-135m-instruct --systems base full lora --prompt-length 64 \
-		--new-tokens 64 --batch-sizes 1 8 --repeats 3 --threads 2 --out benchmarks/results/decode_smollm2.json
+	$(BIN)/python -m benchmarks.decode --model smollm2-135m-instruct --systems base kernels lora --prompt-length 64 \
+		--new-tokens 64 --batch-sizes 1 8 --repeats 7 --threads 2 --out benchmarks/results/decode_smollm2.json
 
 # The strict editable install is a tree of links to the source files: relinking picks up new modules.
 relink: $(VENV)/.installed

@@ -53,7 +53,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.memory import peak_rss_mib
 from benchmarks.real_model import add_model_arguments, real_workload
-from benchmarks.report import conditions, conditions_line, write_results
+from benchmarks.report import conditions, conditions_line, profile_table, write_results
 from benchmarks.shapes import gemma2_2b_config
 from mergecompose.composition import ComposedLM, SpeculationStats, compose_logprobs
 from mergecompose.composition.kernels.few_row_linear import FewRowLinears
@@ -596,24 +596,16 @@ def speed_choices(bench: Workbench) -> dict[str, object]:
 
 def profile_systems(bench: Workbench, batch: int, rows: int) -> dict[str, list[dict]]:
     """Each system's `rows` most expensive operators (self CPU time) in one run at `batch`, printed and returned."""
-    from torch.profiler import ProfilerActivity, profile
-
     prompts = bench.prompts(batch)
-    tables = {}
-    for name, system in bench.systems.items():
-        with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            for prompt in prompts:
-                system(prompt)
-        events = sorted(profiler.key_averages(), key=lambda event: -event.self_cpu_time_total)
-        total = sum(event.self_cpu_time_total for event in events)
-        tables[name] = [
-            {"operator": event.key, "calls": event.count, "self_cpu_ms": event.self_cpu_time_total / 1e3}
-            for event in events[:rows]
-        ]
-        print(f"profile of {NAMES[name]}, batch {batch}: self CPU {total / 1e3:.0f} ms in all")
-        table = [[row["operator"], row["calls"], f"{row['self_cpu_ms']:.1f}"] for row in tables[name]]
-        print(markdown_table(["operator", "calls", "self CPU ms"], table, pad=True))
-    return tables
+
+    def run(system):
+        for prompt in prompts:
+            system(prompt)
+
+    return {
+        name: profile_table(lambda system=system: run(system), f"{NAMES[name]}, batch {batch}", rows)
+        for name, system in bench.systems.items()
+    }
 
 
 def _prompt_words(args) -> str:

@@ -8,6 +8,9 @@ import subprocess
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mergecompose.core.io import markdown_table
 
 
 def conditions(repeats: int) -> dict:
@@ -44,8 +47,8 @@ def conditions(repeats: int) -> dict:
 
 def conditions_line(start: dict, end: dict) -> str:
     return (
-        f"commit {start['commit']}, CPU {start['cpu_capability']}, load average {start['load_average_1min']} at the start and "
-        f"{end['load_average_1min']} at the end, median of {start['interleaved_repeats']} interleaved repeats"
+        f"commit {start['commit']}, CPU {start['cpu_capability']}, load average {start['load_average_1min']} at the "
+        f"start and {end['load_average_1min']} at the end, median of {start['interleaved_repeats']} interleaved repeats"
     )
 
 
@@ -55,3 +58,20 @@ def write_results(results: dict, out: str | Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     print(f"wrote {out}")
+
+
+def profile_table(run, label: str, rows: int) -> list[dict]:
+    """`run()` under torch.profiler: its `rows` most expensive operators by self CPU time, printed under `label`
+    with the total, and returned as [{"operator", "calls", "self_cpu_ms"}, ...]."""
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        run()
+    events = sorted(profiler.key_averages(), key=lambda event: -event.self_cpu_time_total)
+    total = sum(event.self_cpu_time_total for event in events)
+    table = [
+        {"operator": event.key, "calls": event.count, "self_cpu_ms": event.self_cpu_time_total / 1e3}
+        for event in events[:rows]
+    ]
+    print(f"profile of {label}: self CPU {total / 1e3:.0f} ms in all")
+    lines = [[row["operator"], row["calls"], f"{row['self_cpu_ms']:.1f}"] for row in table]
+    print(markdown_table(["operator", "calls", "self CPU ms"], lines, pad=True))
+    return table

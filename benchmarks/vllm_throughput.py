@@ -35,12 +35,11 @@ import torch
 
 from benchmarks.lm_eval import benchmark_characters
 from benchmarks.real_model import add_model_arguments, real_workload
-from benchmarks.report import conditions, conditions_line, write_results
+from benchmarks.report import conditions, conditions_line, profile_table, write_results
 from mergecompose.analysis.data import SPECIAL_TOKENS, char_tokenizer
 from mergecompose.core.io import markdown_table
 from mergecompose.core.tiny import random_llama, random_lora_adapter, tiny_llama_config
 from mergecompose.integrations.vllm.folder import build_vllm_model
-
 
 # --systems names -> the systems' names in tables and results.
 SYSTEMS = {"base": "base", "lora": "composed, 2 LoRA experts", "full": "composed, 2 full experts"}
@@ -117,7 +116,7 @@ def save_real_models(args, folder: Path) -> dict[str, Path]:
 
 
 def prompts_and_params(args, batch: int):
-    """`batch` prompts of 16 random ids (seeded by the batch size) and greedy sampling of `--new-tokens`, EOS ignored."""
+    """`batch` prompts of 16 random ids (seeded by the batch size); greedy sampling of `--new-tokens`, EOS ignored."""
     from vllm import SamplingParams
 
     generator = torch.Generator().manual_seed(batch)
@@ -160,23 +159,15 @@ def interleaved_rates(engines: dict, args) -> dict[str, dict[int, dict[str, floa
 
 def profile_engines(engines: dict, args, rows: int) -> dict[str, list[dict]]:
     """Each system's `rows` most expensive operators (self CPU time) in one batch at the first batch size."""
-    from torch.profiler import ProfilerActivity, profile
-
     prompts, params = prompts_and_params(args, args.batches[0])
-    tables = {}
-    for system, engine in engines.items():
-        with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            engine.generate(prompts, params, use_tqdm=False)
-        events = sorted(profiler.key_averages(), key=lambda event: -event.self_cpu_time_total)
-        total = sum(event.self_cpu_time_total for event in events)
-        tables[system] = [
-            {"operator": event.key, "calls": event.count, "self_cpu_ms": event.self_cpu_time_total / 1e3}
-            for event in events[:rows]
-        ]
-        print(f"profile of {system}, batch {args.batches[0]}: self CPU {total / 1e3:.0f} ms in all")
-        table = [[row["operator"], row["calls"], f"{row['self_cpu_ms']:.1f}"] for row in tables[system]]
-        print(markdown_table(["operator", "calls", "self CPU ms"], table, pad=True))
-    return tables
+    return {
+        system: profile_table(
+            lambda engine=engine: engine.generate(prompts, params, use_tqdm=False),
+            f"{system}, batch {args.batches[0]}",
+            rows,
+        )
+        for system, engine in engines.items()
+    }
 
 
 def main(argv=None) -> int:

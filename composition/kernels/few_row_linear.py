@@ -17,8 +17,12 @@ of their float sums differs.
 reordered once into oneDNN's blocked layout for a few rows (`torch.ops.mkldnn._reorder_linear_weight`, what
 torch's own CPU compiler does for linears), multiplied by `torch.ops.mkldnn._linear_pointwise`. On the AVX2
 CPU of benchmarks/README.md, SmolLM2's 210 decoder linears took 47 ms over 3 rows this way against 61 ms
-for W @ xᵀ and 52 ms for F.linear over 1 row, and less at every row count up to 192. With `pack_model`,
-`FewRowLinears` packs the weights of its linears in place: each module's weight parameter keeps its
+for W @ xᵀ and 52 ms for F.linear over 1 row, and less at every row count up to 192; on other CPUs packing has
+cost more than it saved (benchmarks/README.md). So with `pack_model`, `FewRowLinears` times the linears' products
+over `pack_rows` rows at load, dense with each kernel and then packed, all in order as a pass streams them from
+memory (`pack` None, `packing` records the choice), and keeps the faster: the best of a few passes each, dense ones
+first (not interleaved with packed ones: both layouts at once would double the weights' memory). `pack` True or
+False fixes it. Packing is in place: each module's weight parameter keeps its
 identity but holds an empty tensor while the packed copy (the same bytes, reordered) serves every forward,
 so memory does not grow. Siblings that read one input (q/k/v, gate/up: `SAME_INPUT`) are packed as one
 matrix (`PackedGroup`): the first to run computes the product for all and the others take their columns of
@@ -247,6 +251,10 @@ class FewRowLinears:
             `pack_rows` rows; None: leave them dense.
         extra_rows: by module, rows E (e, in) packed with its weight (`PackedGroup`): its addition is given x Eᵀ
             when the packed product computed it, None otherwise.
+        pack: with `pack_model`: None (default) packs if timing at load finds it faster (module docstring; `packing`
+            says what was chosen), True packs, False leaves the weights dense.
+        stopwatch: what times the packing trial (kernels/stopwatch.py); default the clock.
+        trial_repeats: timed passes of each option in the packing trial.
     """
 
     def __init__(
