@@ -14,8 +14,12 @@ def test_decode_benchmark_runs(tmp_path):
     out = tmp_path / "decode.json"
     assert decode.main(["--smoke", "--out", str(out)]) == 0
     results = json.loads(out.read_text())
-    assert set(results["batches"]["1"]) == {"base", "full", "lora", "naive"}
-    assert set(results["peak_rss_mb"]) == {"base", "full", "lora", "naive"}
+    systems = {"base", "kernels", "full", "lora", "naive"}
+    assert set(results["batches"]["1"]) == systems and set(results["peak_rss_mb"]) == systems
+    assert "ratio_to_same_kernels" in results["batches"]["1"]["lora"]
+    # What the timing chose: packed or dense for the LoRA composition's base, and the same for (a').
+    packing = results["speed_choices"]["lora"]["packed weights"]["chosen"]
+    assert results["speed_choices"]["kernels"]["packed"] is (packing == "packed")
 
 
 def test_lm_eval_benchmark_runs(tmp_path):
