@@ -25,7 +25,8 @@ split, each string's L characters and EOS generated.
 
 Timing: one warm-up, then `--repeats` rounds in which every system runs once (interleaved);
 the median per system is reported as tokens/s and as a ratio to (a). Peak resident memory is
-measured for each system in its own fresh subprocess (VmHWM, see benchmarks.memory).
+measured for each system in its own fresh subprocess (VmHWM, see benchmarks.memory), `--memory-repeats` times
+interleaved over the systems; the median is reported (one process's peak moved by about 1 % between runs).
 
     python -m benchmarks.decode                   # ~28 M-parameter Llama, batch 1 and 8
     python -m benchmarks.decode --systems base full full+spec --batch-sizes 1 --no-memory
@@ -148,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-system memory subprocesses")
     parser.add_argument(
+        "--memory-repeats",
+        type=int,
+        default=3,
+        help="fresh processes per system for peak memory, interleaved over the systems; the median is reported",
+    )
+    parser.add_argument(
         "--profile",
         type=int,
         default=0,
@@ -163,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def apply_smoke(args) -> None:
     args.hidden, args.layers, args.heads, args.intermediate, args.vocab = 32, 2, 4, 64, 64
-    args.rank, args.prompt_length, args.new_tokens, args.repeats = 4, 8, 8, 1
+    args.rank, args.prompt_length, args.new_tokens, args.repeats, args.memory_repeats = 4, 8, 8, 1, 1
     args.batch_sizes = [1, 2]
 
 
@@ -568,7 +575,12 @@ def main(argv=None) -> int:
         results["batches"][str(batch)] = rows
     results["speed_choices"] = speed_choices(bench)
     if not args.no_memory:
-        results["peak_rss_mb"] = {name: peak_rss_mb(args, name) for name in args.systems}
+        peaks: dict[str, list[float]] = {name: [] for name in args.systems}
+        for _ in range(args.memory_repeats):
+            for name in args.systems:
+                peaks[name].append(peak_rss_mb(args, name))
+        results["peak_rss_mb"] = {name: statistics.median(values) for name, values in peaks.items()}
+        results["peak_rss_mb_runs"] = peaks
     if args.profile:
         results["profile"] = profile_systems(bench, args.batch_sizes[0], args.profile)
     results["conditions"] = {"start": started, "end": conditions(args.repeats)}
