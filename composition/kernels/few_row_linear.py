@@ -321,12 +321,13 @@ class FewRowLinears:
                     self._pack_siblings([alone], pack_rows, extras)
                 else:
                     self._pack(alone, Packed(cast(torch.Tensor, alone._parameters["weight"]).data, pack_rows))
-            _trim_heap()
+            trim_heap()
             if measure:
                 packed = timed_runs({"packed": _packed_pass(units, inputs)}, stopwatch, trial_repeats)
                 self.packing = best({**dense, **packed})
                 if self.packing.chosen != "packed":
                     self._unpack()
+                trim_heap()  # the trials' temporaries, and the packed bytes if they were given back
 
     def _pack_siblings(
         self, members: list[torch.nn.Module], rows: int, extras: dict[torch.nn.Module, torch.Tensor]
@@ -598,9 +599,9 @@ def _release_pages(weight: torch.Tensor) -> None:
 _MADV_DONTNEED = 4
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give the free memory of the C heap back to the system (glibc's `malloc_trim`, Linux): packing copies each
-    group's weights into a temporary matrix, and the heap keeps the pages of those it freed."""
+    group's weights into a temporary matrix, and the heap keeps the pages of those it freed; so do timing trials."""
     if sys.platform.startswith("linux") and hasattr(_libc(), "malloc_trim"):
         _libc().malloc_trim(0)
 

@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from mergecompose.composition.backend import Backend, Caches
-from mergecompose.composition.kernels.few_row_linear import x_wt
+from mergecompose.composition.kernels.few_row_linear import trim_heap, x_wt
 from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch, fastest
 from mergecompose.composition.remedies import step_composer
 from mergecompose.composition.rule import check_scores
@@ -170,7 +170,9 @@ def measure_mixing(
         sync()
 
     with torch.no_grad():
-        return fastest({"mixed": mixed, "per component": per_component}, stopwatch, repeats)
+        choice = fastest({"mixed": mixed, "per component": per_component}, stopwatch, repeats)
+    trim_heap()  # the trial's logits and log-probs
+    return choice
 
 
 def compose_mixed(logits: torch.Tensor) -> torch.Tensor:
