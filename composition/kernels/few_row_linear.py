@@ -468,14 +468,29 @@ class FewRowLinears:
         return bool(self._packed)
 
     def _unpack(self) -> None:
-        """Every packed module's dense weight back, bit for bit, and its state-dict hooks removed."""
+        """Every packed module's dense weight back, bit for bit, and its state-dict hooks removed.
+
+        One packed matrix at a time: a group is made dense once for its siblings (packed one after another, so
+        adjacent here) and its packed bytes are let go with its last sibling's, so that the two layouts are never
+        both held for more than one group (a timing trial that chose dense weights gives the packed ones back)."""
+        self._groups = []
+        group: PackedGroup | None = None
+        group_dense: torch.Tensor | None = None
         for module, weight, handles in reversed(self._packed):
             packed = module.__dict__.pop(PACKED, None)
-            if packed is not None:  # (a module that loaded a state dict meanwhile keeps what it loaded)
+            if isinstance(packed, PackedSibling):
+                if packed.group is not group:
+                    group = group_dense = None  # the previous group's packed and dense bytes go first
+                    group, group_dense = packed.group, packed.group.dense()
+                assert group_dense is not None
+                weight.data = group_dense[packed.start : packed.end].clone()
+            elif packed is not None:  # (a module that loaded a state dict meanwhile keeps what it loaded)
                 weight.data = packed.dense()
+            del packed
             for handle in handles:
                 handle.remove()
-        self._packed, self._groups = [], []
+        del group, group_dense
+        self._packed = []
 
     def close(self) -> None:
         """Give every patched module its previous forward and its dense weight back; idempotent."""

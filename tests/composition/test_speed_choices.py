@@ -6,11 +6,19 @@ tokens. A caller inside `torch.inference_mode` still gets one packed product per
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.kernels.few_row_linear import PACKED, TUNED_ROWS, FewRowKernel, FewRowLinears
+from mergecompose.composition.kernels.few_row_linear import (
+    PACKED,
+    TUNED_ROWS,
+    FewRowKernel,
+    FewRowLinears,
+    PackedGroup,
+)
 from mergecompose.composition.kernels.stacked_lora import StackedLoRA
 from mergecompose.composition.kernels.stopwatch import Stopwatch, best, fastest, timed_runs
 from mergecompose.core.adapters import load_adapters_on_base
@@ -207,3 +215,29 @@ def test_few_row_linears_measure_packing_on_any_model(tiny_config):
     dense = FewRowLinears(linears, pack_model=model, stopwatch=Prefers("w_xt"))
     assert dense.packing.chosen == "w_xt" and _packed_modules(model) == []
     dense.close()
+
+
+@needs_onednn
+def test_weights_given_back_dense_hold_one_packed_group_at_a_time(tiny_config, monkeypatch):
+    """When the trial chooses dense weights, each packed group is made dense once and let go before the next: the
+    two layouts are never both held for the whole model (a peak of twice the weights' memory)."""
+    model = random_llama(tiny_config, seed=0)
+    linears = [(module, None) for module in model.modules() if type(module) is torch.nn.Linear]
+    groups = weakref.WeakSet()
+    alive = []  # the groups still alive as each group is made dense
+    init, dense = PackedGroup.__init__, PackedGroup.dense
+
+    def recorded_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        groups.add(self)
+
+    def recorded_dense(self):
+        alive.append(len(groups))
+        return dense(self)
+
+    monkeypatch.setattr(PackedGroup, "__init__", recorded_init)
+    monkeypatch.setattr(PackedGroup, "dense", recorded_dense)
+    chosen = FewRowLinears(linears, pack_model=model, stopwatch=Prefers("w_xt"))
+    assert chosen.packing.chosen == "w_xt" and _packed_modules(model) == []
+    assert alive == [4, 3, 2, 1]  # 2 layers x (q/k/v, gate/up), each made dense once
+    chosen.close()
