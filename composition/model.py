@@ -412,7 +412,8 @@ class ComposedLM:
         if not self._can_mix or self.mix_before_head:
             return self._can_mix
         if batch not in self._mixing:
-            self._mixing[batch] = measure_mixing(self.backend, self.weights, self.num_experts, batch, self.stopwatch)
+            head = self.backend.base_model.get_output_embeddings()  # a Linear: `can_mix` checked it
+            self._mixing[batch] = measure_mixing(head, self.weights, self.num_experts, batch, self.stopwatch)
         return self._mixing[batch].chosen == "mixed"
 
     @property

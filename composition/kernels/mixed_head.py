@@ -16,7 +16,6 @@ layer's output, unchanged (`head_is_last`: no soft-capping or scaling after it, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
 
 import torch
 from transformers import PreTrainedModel
@@ -135,21 +134,19 @@ class MixedHead:
 
 
 def measure_mixing(
-    backend: object,
+    head: torch.nn.Linear,
     weights: Sequence[float] | None,
     num_experts: int,
     batch: int,
     stopwatch: Stopwatch,
     repeats: int = 5,
 ) -> Choice:
-    """Whether mixing before the output layer is faster here at `batch` rows a step: "mixed" or "per component".
+    """Whether mixing before the output layer `head` is faster here at `batch` rows a step: "mixed" or "per component".
 
     Times, on seeded random final hidden states of the k+1 components (`batch` rows each), the work the two ways
     differ in: the mix, one output-layer product over `batch` rows and one log-softmax, against the output layer over
     (k+1)·`batch` rows and the rule on every component's logits (`step_composer`, as `decoding_backend` gives it). The
     layer's product is oneDNN's dense one (`x_wt`), as in a pass."""
-    model = cast(SharedAdapters, backend).base_model
-    head = cast(torch.nn.Linear, model.get_output_embeddings())
     weight, bias = head.weight.detach(), None if head.bias is None else head.bias.detach()
     component_exponents = exponents(weights, num_experts)
     n = len(component_exponents)

@@ -42,6 +42,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.model_executor.models.utils import maybe_prefix
 
+from mergecompose.composition.kernels.mixed_head import exponents
 from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch, fastest
 from mergecompose.composition.rule import compose_logprobs_unchecked
 
@@ -105,8 +106,8 @@ class ComposedForCausalLM(nn.Module):
                     members = [getattr(self, name).get_submodule(module_name) for name in self.group[1:]]
                     _set_module(self.base, module_name, _StackedAttention(attention, members))
         self.register_buffer("weights", torch.tensor(composition["weights"], dtype=torch.float32), persistent=False)
-        exponents = [1.0 - sum(composition["weights"]), *composition["weights"]]  # base first, as component_names
-        self.register_buffer("exponents", torch.tensor(exponents, dtype=torch.float32), persistent=False)
+        base_first = exponents(composition["weights"], len(experts))  # in the order of component_names
+        self.register_buffer("exponents", torch.tensor(base_first, dtype=torch.float32), persistent=False)
         # Mixing the final hidden states before one head pass (`compute_logits`): None, chosen by timing at each row
         # count (a power of two bucket); True or False, fixed (`set_mix_before_head`).
         self.mix_before_head: bool | None = None
