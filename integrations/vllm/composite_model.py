@@ -45,6 +45,7 @@ from vllm.model_executor.models.utils import maybe_prefix
 from mergecompose.composition.kernels.mixed_head import exponents
 from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch, fastest
 from mergecompose.composition.rule import compose_logprobs_unchecked
+from mergecompose.integrations.vllm.requests import request_weights
 
 
 class ComposedForCausalLM(nn.Module):
@@ -106,6 +107,10 @@ class ComposedForCausalLM(nn.Module):
                     members = [getattr(self, name).get_submodule(module_name) for name in self.group[1:]]
                     _set_module(self.base, module_name, _StackedAttention(attention, members))
         self.register_buffer("weights", torch.tensor(composition["weights"], dtype=torch.float32), persistent=False)
+        # Each request's own weights (`integrations/vllm/requests.py`): the engine's `RequestWeights`, found by its
+        # config, for the first `compute_logits` after each forward pass (the sampled rows, in the batch's order).
+        self.vllm_config_id = id(vllm_config)
+        self.rows_in_batch_order = False
         base_first = exponents(composition["weights"], len(experts))  # in the order of component_names
         self.register_buffer("exponents", torch.tensor(base_first, dtype=torch.float32), persistent=False)
         # Mixing the final hidden states before one head pass (`compute_logits`): None, chosen by timing at each row
@@ -126,6 +131,7 @@ class ComposedForCausalLM(nn.Module):
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs) -> torch.Tensor:
         if inputs_embeds is not None:
             raise ValueError("a composed model takes token ids, not embeddings: each full expert embeds them itself")
+        self.rows_in_batch_order = True
         size = len(self.group)
         if size == 1:
             hidden = {"base": self.base(input_ids, positions, intermediate_tensors, None)}
@@ -147,44 +153,72 @@ class ComposedForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         """The composed log-probs `(tokens, V)` of the components' final hidden states `(tokens, (k+1)·hidden)`.
 
+        The weights are the folder's, or, in the first call after a forward pass (vLLM's sampled rows, one per
+        request in the batch's order) where a request in the batch chose its own experts, each row's request's
+        (`requests.py`); later calls of the same step (prompt log-probs) use the folder's. A component that no
+        request of the batch gives a weight other than 0 gets no head pass.
+
         Where every expert is a LoRA expert of the base and the head's logits are linear in the hidden state (no
         soft-capping), the rule is log_softmax(head(Σ_c e_c h_c)) (composition/kernels/mixed_head.py): one head pass
         over the tokens instead of one a component, equal to the rule up to float rounding. Whether that is faster
         here is timed once per bucket of row counts on the first call's own hidden states (kernels/stopwatch.py)."""
+        weights = self._row_weights(hidden_states.shape[0])
         if not self.can_mix or self.mix_before_head is False:
-            return self._logits_per_component(hidden_states)
+            return self._logits_per_component(hidden_states, weights)
         if self.mix_before_head:
-            return self._mixed_logits(hidden_states)
+            return self._mixed_logits(hidden_states, weights)
         bucket = 1 << max(hidden_states.shape[0] - 1, 0).bit_length()  # 1, 2, 4, 8, ...
         if bucket not in self.mixing:
             options = {
-                "mixed": functools.partial(self._mixed_logits, hidden_states),
-                "per component": functools.partial(self._logits_per_component, hidden_states),
+                "mixed": functools.partial(self._mixed_logits, hidden_states, weights),
+                "per component": functools.partial(self._logits_per_component, hidden_states, weights),
             }
             self.mixing[bucket] = fastest(options, Stopwatch(), repeats=3)
         if self.mixing[bucket].chosen == "mixed":
-            return self._mixed_logits(hidden_states)
-        return self._logits_per_component(hidden_states)
+            return self._mixed_logits(hidden_states, weights)
+        return self._logits_per_component(hidden_states, weights)
 
-    def _mixed_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _row_weights(self, rows: int) -> tuple[torch.Tensor, list[bool]] | None:
+        """`((rows, k) weights, per expert whether any row uses it)` where the batch's requests chose their own
+        experts and these rows are the batch's sampled rows; None for the folder's weights."""
+        in_batch_order, self.rows_in_batch_order = self.rows_in_batch_order, False
+        table = request_weights(self.vllm_config_id)
+        if not in_batch_order or table is None or not table.chosen or table.batch_size != rows:
+            return None
+        return table.rows(), table.used()
+
+    def _mixed_logits(self, hidden_states: torch.Tensor, weights=None) -> torch.Tensor:
         size = len(self.component_names)
         stacked = hidden_states.unflatten(-1, (size, -1)).float()  # (tokens, k+1, hidden)
-        mixed = torch.einsum("c,tch->th", self.exponents, stacked).to(hidden_states.dtype)  # (tokens, hidden)
-        return torch.log_softmax(self.base.compute_logits(mixed).float(), dim=-1)
+        if weights is None:
+            mixed = torch.einsum("c,tch->th", self.exponents, stacked)  # (tokens, hidden)
+        else:
+            rows = weights[0]  # (tokens, k)
+            row_exponents = torch.cat([1.0 - rows.sum(dim=1, keepdim=True), rows], dim=1)  # (tokens, k+1)
+            mixed = torch.einsum("tc,tch->th", row_exponents, stacked)
+        return torch.log_softmax(self.base.compute_logits(mixed.to(hidden_states.dtype)).float(), dim=-1)
 
-    def _logits_per_component(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def _logits_per_component(self, hidden_states: torch.Tensor, weights=None) -> torch.Tensor | None:
         chunks = dict(
             zip(self.component_names, hidden_states.chunk(len(self.component_names), dim=-1))
         )  # (tokens, hidden) each
-        group_logits = self.base.compute_logits(torch.cat([chunks[name] for name in self.group]))  # (G·tokens, V)
+        experts = self.component_names[1:]
+        if weights is None:
+            expert_weights: torch.Tensor = self.weights
+        else:
+            rows, used = weights
+            experts = [name for name, in_use in zip(experts, used) if in_use]
+            expert_weights = rows[:, used].t()  # (used experts, tokens)
+        group = [name for name in self.group if name == "base" or name in experts]
+        group_logits = self.base.compute_logits(torch.cat([chunks[name] for name in group]))  # (G·tokens, V)
         if group_logits is None:  # a tensor-parallel rank other than the first
             return None
-        logits = dict(zip(self.group, group_logits.chunk(len(self.group))))
-        for name in self.component_names:
+        logits = dict(zip(group, group_logits.chunk(len(group))))
+        for name in experts:
             if name not in logits:
                 logits[name] = getattr(self, name).compute_logits(chunks[name])  # (tokens, V)
         return compose_logprobs_unchecked(
-            logits["base"], [logits[name] for name in self.component_names[1:]], self.weights
+            logits["base"], [logits[name] for name in experts], expert_weights
         )  # (tokens, V)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from vllm import SamplingParams
-from vllm_engines import prompts, start_engine, stop_engine
+from vllm_engines import greedy_references, prompts, start_engine, stop_engine
 
 from mergecompose.composition import ComposedLM
 
@@ -123,3 +123,28 @@ def test_mixing_before_the_head_or_not_gives_the_reference(engine, kind, referen
         assert chosen and set(chosen.values()) <= {"mixed", "per component"}
     else:
         assert chosen == {}
+
+
+def test_requests_choose_their_experts_in_one_batch(engine, kind, component_folders):
+    """Per-request experts (`vllm_xargs`), full or LoRA: a component that no request of the batch weighs gets no
+    head pass, and each request's tokens are ComposedLM's for its own choice."""
+    first, second = EXPERTS[kind][0]
+    choices = {
+        "base": ({"experts": []}, ([first], [0.0])),
+        "first": ({"experts": first}, ([first], [1.0])),
+        "both": ({"experts": f"{first},{second}", "weights": "0.5,1.5"}, ([first, second], [0.5, 1.5])),
+    }
+    requests = prompts(6, seed=4)
+    names = [list(choices)[index % 3] for index in range(len(requests))]
+    references = greedy_references(
+        component_folders, {name: choice[1] for name, choice in choices.items()}, requests, 8
+    )
+    for batch in (range(len(requests)), [0, 1, 3, 4]):  # with every expert weighed, and without the second
+        outputs = engine.generate(
+            [{"prompt_token_ids": requests[index]} for index in batch],
+            [SamplingParams(max_tokens=8, temperature=0.0, extra_args=choices[names[index]][0]) for index in batch],
+            use_tqdm=False,
+        )
+        for index, output in zip(batch, outputs):
+            assert list(output.outputs[0].token_ids) == references[names[index]][index], (index, names[index])
+    assert len({tuple(references[name][0]) for name in choices}) == 3

@@ -12,15 +12,13 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
-import torch
 from transformers import AutoTokenizer
-from vllm_engines import prompts
-
-from mergecompose.composition import ComposedLM
+from vllm_engines import greedy_references, prompts
 
 MAX_NEW_TOKENS = 16
 START_TIMEOUT_S = 240
@@ -85,21 +83,13 @@ def _wait_until_healthy(url: str, process: subprocess.Popen, log: Path) -> None:
 def expected_texts(component_folders):
     """ComposedLM's greedy continuation of each prompt, as text."""
     tokenizer = AutoTokenizer.from_pretrained(str(component_folders["base"]))
-    experts = [str(component_folders["lora_a"]), str(component_folders["lora_b"])]
-    texts = {}
-    with ComposedLM.from_pretrained(str(component_folders["base"]), experts, weights=[1.0, 0.5]) as composed:
-        for prompt in prompts(4, seed=3):
-            ids = torch.tensor([prompt])
-            out = composed.generate(
-                ids,
-                torch.ones_like(ids),
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=2,
-                pad_token_id=0,
-            )
-            texts[tokenizer.decode(prompt)] = tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True)
-    return texts
+    requests = prompts(4, seed=3)
+    folder = {"folder": (["lora_a", "lora_b"], [1.0, 0.5])}
+    tokens = greedy_references(component_folders, folder, requests, MAX_NEW_TOKENS)["folder"]
+    return {
+        tokenizer.decode(prompt): tokenizer.decode(out, skip_special_tokens=True)
+        for prompt, out in zip(requests, tokens)
+    }
 
 
 def test_completions_and_chat_give_the_composed_text(server, expected_texts):
@@ -113,3 +103,63 @@ def test_completions_and_chat_give_the_composed_text(server, expected_texts):
         )
         assert chat.choices[0].message.content == expected, prompt
     assert len(set(expected_texts.values())) > 1
+
+
+# Three choices of one server (`vllm_xargs`, integrations/vllm/choice.py), and the reference of each.
+CHOICES = {
+    "base alone": ({"experts": ""}, (["lora_a"], [0.0])),
+    "a alone": ({"experts": "lora_a"}, (["lora_a"], [1.0])),
+    "a + 0.5 b": ({"experts": "lora_a,lora_b", "weights": "1,0.5"}, (["lora_a", "lora_b"], [1.0, 0.5])),
+}
+
+
+def test_three_requests_three_choices_one_server(server, component_folders):
+    """Concurrent requests, each with its own experts, share the server's batches; each gets ComposedLM's text."""
+    base_url, model = server
+    client = openai.OpenAI(base_url=base_url, api_key="unused")
+    tokenizer = AutoTokenizer.from_pretrained(str(component_folders["base"]))
+    requests = prompts(3, seed=8)
+    references = greedy_references(component_folders, {name: c[1] for name, c in CHOICES.items()}, requests, 16)
+
+    def complete(job):
+        name, prompt = job
+        completion = client.completions.create(
+            model=model,
+            prompt=tokenizer.decode(prompt),
+            max_tokens=MAX_NEW_TOKENS,
+            temperature=0.0,
+            extra_body={"vllm_xargs": CHOICES[name][0]},
+        )
+        return completion.choices[0].text
+
+    jobs = [(name, prompt) for prompt in requests for name in CHOICES]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(complete, jobs))
+    for (name, prompt), text in zip(jobs, texts):
+        index = requests.index(prompt)
+        assert text == tokenizer.decode(references[name][index], skip_special_tokens=True), (name, index)
+    assert len({text for (name, prompt), text in zip(jobs, texts) if prompt == requests[0]}) == 3
+
+
+@pytest.mark.parametrize(
+    ("xargs", "message"),
+    [
+        ({"experts": "lora_z"}, "unknown expert 'lora_z'"),
+        ({"experts": "lora_a,lora_b", "weights": "1"}, "holds 1 weights for the 2 experts"),
+        ({"experts": "lora_a", "weights": "nan"}, "each weight must be a finite number"),
+        ({"experts": "lora_a", "weights": "inf"}, "each weight must be a finite number"),
+        ({"experts": "lora_a", "weights": "much"}, "which is not a number"),
+    ],
+)
+def test_a_bad_choice_gets_a_400_and_the_server_goes_on(server, xargs, message):
+    base_url, model = server
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="ab", max_tokens=2, extra_body={"vllm_xargs": xargs})
+    assert refused.value.status_code == 400
+    error = refused.value.body["message"] if isinstance(refused.value.body, dict) else str(refused.value)
+    assert message in error and "\n" not in error
+    good = client.completions.create(
+        model=model, prompt="ab", max_tokens=2, temperature=0.0, extra_body={"vllm_xargs": {"experts": "lora_b"}}
+    )
+    assert good.choices[0].finish_reason in ("length", "stop")

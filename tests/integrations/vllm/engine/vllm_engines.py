@@ -27,3 +27,29 @@ def stop_engine(engine: LLM) -> None:
     engine.llm_engine.engine_core.shutdown()
     gc.collect()
     cleanup_dist_env_and_memory()
+
+
+# A request's choice of experts (`vllm_xargs`, integrations/vllm/choice.py) and the reference that gives its output:
+# ComposedLM of the base with these component folders (conftest.py's names) at these weights.
+def greedy_references(component_folders, choices, requests, max_new_tokens):
+    """{choice name: [ComposedLM's greedy tokens of each prompt, up to EOS or `max_new_tokens`]} for
+    `choices` {name: (expert folder names, weights)}; the base alone is one expert at weight 0."""
+    from mergecompose.composition import ComposedLM
+
+    tokens = {}
+    for name, (experts, weights) in choices.items():
+        folders = [str(component_folders[expert]) for expert in experts]
+        with ComposedLM.from_pretrained(str(component_folders["base"]), folders, weights=weights) as composed:
+            tokens[name] = []
+            for prompt in requests:
+                ids = torch.tensor([prompt])
+                out = composed.generate(
+                    ids,
+                    torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=2,
+                    pad_token_id=0,
+                )
+                tokens[name].append(out[0, len(prompt) :].tolist())
+    return tokens
