@@ -102,6 +102,7 @@ def main(argv=None) -> int:
                 results["mixes"].setdefault(mix, {})[batch] = {
                     clock: statistics.median(run["tokens"] / run[clock] for run in timed) for clock in ("wall", "cpu")
                 }
+                results.setdefault("rounds", {}).setdefault(mix, {})[batch] = timed  # every round, for the spread
         results["conditions"]["end"] = conditions(args.repeats)
         engine.llm_engine.engine_core.shutdown()
     folder_rates = results["mixes"]["folder"]
