@@ -8,12 +8,12 @@ reads: vLLM's V1 model runner calls every processor's `update_state` before the 
 the batch's order, one row per request, in the same call (`execute_model`). The processor's own `apply` changes
 nothing: the logits it gets are composed already.
 
-The processor is added to a composite model's engine only: `ComposedConfig.verify_and_update_config`, which
-`mergecompose.integrations.vllm.plugin` registers for the composite architecture in vLLM's per-architecture
-config hooks (`MODELS_CONFIG_MAP`, run by `VllmConfig.__post_init__`), appends it to
-`model_config.logits_processors`. So `vllm serve DIR` needs no flag, and other models served beside mergecompose
-get no processor. The same hook gives the class the folder's expert names, for `validate_params`, which vLLM
-runs in the server's process before a request is admitted (a ValueError there is an HTTP 400).
+The processor is added to a composite model's engine only: `plugin.ComposedConfig.verify_and_update_config`, which
+`plugin.register` puts into vLLM's per-architecture config hooks (`MODELS_CONFIG_MAP`, run by
+`VllmConfig.__post_init__`), appends its import path to `model_config.logits_processors`. So `vllm serve DIR` needs
+no flag, and other models served beside mergecompose get no processor. The same hook records the folder's expert
+names (`plugin.SERVED_EXPERTS`) for `validate_params`, which vLLM runs in the server's process before a request is
+admitted (a ValueError there is an HTTP 400).
 
 vLLM's V2 model runner (its default where Triton is installed, e.g. on GPUs) gives a processor the batch's order
 only in `apply`, after `compute_logits` (`vllm/v1/worker/gpu/sample/logits_processor/interface.py`,
@@ -26,24 +26,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.logger import init_logger
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as LogitsProcessorV2
 
 from mergecompose.integrations.vllm.choice import EXPERTS_KEY, WEIGHTS_KEY, parse_expert_choice
+from mergecompose.integrations.vllm.plugin import SERVED_EXPERTS
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.config import VllmConfig
 
-logger = init_logger(__name__)
-
 
 class RequestWeights:
     """The weights `w_i` of each request in the batch, in the batch's order: `rows()` is `(batch size, k)`."""
 
-    def __init__(self, defaults: list[float], max_rows: int, device: torch.device):
+    def __init__(self, names: list[str], defaults: list[float], max_rows: int, device: torch.device):
+        self.names = list(names)
         self.defaults = tuple(defaults)
         self.batch_size = 0
         self.chosen: dict[int, tuple[float, ...]] = {}  # batch index -> weights, for requests that name experts
@@ -58,7 +57,7 @@ class RequestWeights:
             return
         self.batch_size = batch_update.batch_size
         self.moves += len(batch_update.moved)
-        process_dict_updates(self.chosen, batch_update, _chosen_weights)
+        process_dict_updates(self.chosen, batch_update, self._chosen_weights)
         self._stale = True
 
     def rows(self) -> torch.Tensor:
@@ -73,36 +72,34 @@ class RequestWeights:
             self._stale = False
         return self._table[: self.batch_size]
 
+    def _chosen_weights(self, params: SamplingParams, prompt_ids, output_ids) -> tuple[float, ...] | None:
+        weights = parse_expert_choice(params.extra_args, self.names)  # checked before admission (validate_params)
+        return None if weights is None else tuple(weights)
+
     def used(self) -> list[bool]:
         """Per expert: whether any request in the batch gives it a weight other than 0."""
         self.rows()
         return list(self._used)
 
 
-def _chosen_weights(params: SamplingParams, prompt_ids, output_ids) -> tuple[float, ...] | None:
-    weights = parse_expert_choice(params.extra_args, ExpertChoice.names)
-    return None if weights is None else tuple(weights)
-
-
 class ExpertChoice(LogitsProcessor):
     """The V1 logits processor of a composite model: each request's experts and weights (`choice.py`)."""
 
-    # The served folder's expert names, set by `ComposedConfig` in each process that builds the engine's config
-    # (the server's, where `validate_params` runs, and the engine's).
-    names: tuple[str, ...] = ()
     # The `RequestWeights` of each engine in this process, by the id of its `VllmConfig`, which the composite model
     # is given too.
     tables: dict[int, RequestWeights] = {}
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams):
-        parse_expert_choice(sampling_params.extra_args, cls.names, prompt_logprobs=sampling_params.prompt_logprobs)
+        parse_expert_choice(sampling_params.extra_args, SERVED_EXPERTS, prompt_logprobs=sampling_params.prompt_logprobs)
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
         composition = vllm_config.model_config.hf_config.composition
-        type(self).names = tuple(expert["name"] for expert in composition["experts"])
         self.table = RequestWeights(
-            [float(weight) for weight in composition["weights"]], vllm_config.scheduler_config.max_num_seqs, device
+            [expert["name"] for expert in composition["experts"]],
+            [float(weight) for weight in composition["weights"]],
+            vllm_config.scheduler_config.max_num_seqs,
+            device,
         )
         type(self).tables[id(vllm_config)] = self.table
 
@@ -134,32 +131,6 @@ class ExpertChoiceV2(LogitsProcessorV2):
 
     def apply(self, logits, ctx):
         return logits
-
-
-class ComposedConfig:
-    """vLLM's per-architecture config hook for the composite model (`MODELS_CONFIG_MAP`): adds the processor."""
-
-    @staticmethod
-    def verify_and_update_config(vllm_config: VllmConfig) -> None:
-        composition = getattr(vllm_config.model_config.hf_config, "composition", None)
-        if not isinstance(composition, dict):
-            return  # the model itself refuses a folder without its composition
-        ExpertChoice.names = tuple(expert["name"] for expert in composition["experts"])
-        if vllm_config.speculative_config is not None:
-            # vLLM refuses custom logits processors with speculative decoding (`build_logitsprocs`).
-            logger.warning(
-                "per-request `%s` are not read under speculative decoding: every request gets the folder's weights",
-                EXPERTS_KEY,
-            )
-            return
-        processor = ExpertChoiceV2 if vllm_config.use_v2_model_runner else ExpertChoice
-        processors = list(vllm_config.model_config.logits_processors or [])
-        if processor not in processors:
-            vllm_config.model_config.logits_processors = [*processors, processor]
-
-    @staticmethod
-    def verify_and_update_model_config(model_config) -> None:
-        return
 
 
 def request_weights(config_id: int) -> RequestWeights | None:
