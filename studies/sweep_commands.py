@@ -10,6 +10,7 @@ from mergecompose.analysis.overlap_report import format_number
 from mergecompose.core.cli_common import add_common_flags, check_free_disk, declare_paths
 from mergecompose.core.io import load_yaml_config, markdown_table
 from mergecompose.experiments.compare import synthetic_checkpoint_bytes
+from mergecompose.experiments.executors import add_executor_flags, executor_from_flags
 from mergecompose.studies.letters.overlap_sweep import SweepConfig, preflight_overlap_sweep, run_sweep
 from mergecompose.studies.predict import PredictConfig, preflight_predict, run_predict_sweep
 from mergecompose.studies.predict.paired_verdict import BASELINES
@@ -83,7 +84,8 @@ def add_commands(subparsers) -> None:
         default_threads=1,
         check=True,
     )
-    declare_paths(predict, configs=("config",))
+    add_executor_flags(predict)
+    declare_paths(predict, configs=("config",), not_paths=("executor", "ray_address"))
     predict.set_defaults(func=run_predict_sweep_command, preflight=preflight_predict_sweep_command)
 
     verdict = subparsers.add_parser(
@@ -168,6 +170,7 @@ def run_overlap_sweep_command(args) -> int:
 def preflight_predict_sweep_command(args) -> PredictConfig:
     config = load_yaml_config(args.config, PredictConfig, "predict config")
     preflight_predict(config, args.config)
+    args.cell_executor = executor_from_flags(args)
     return config
 
 
@@ -181,6 +184,7 @@ def run_predict_sweep_command(args) -> int:
         progress=not args.quiet,
         echo=None if args.quiet else print,
         config_path=args.config,
+        executor=args.cell_executor,
     )
     top = ranked(results, "spearman_compose_error")[:3]
     keys = ["name", "family", "compose", "best_remedy", "best_merge"]

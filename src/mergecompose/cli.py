@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 
 from mergecompose.core.cli_common import check_declared_paths, command_settings
+from mergecompose.core.executor import CellsFailed
 from mergecompose.core.io import one_read_per_file, validation_message
 
 # Modules that define `add_commands(subparsers)`; each subcommand sets `func(args) -> int`.
@@ -91,6 +92,17 @@ def run_command(args: argparse.Namespace) -> int:
         with one_read_per_file():
             check_declared_paths(args)
             return _run_checked(args)
+    except CellsFailed as failed:  # the other cells finished and are kept; a rerun runs only these
+        if args.debug:
+            raise
+        for run in failed.failed:
+            print(f"mergecompose {args.command}: cell {run.name} failed: {run.error}", file=sys.stderr)
+        print(
+            f"mergecompose {args.command}: error: {len(failed.failed)} cell(s) failed; the others are in the run "
+            "folder, and a rerun runs only the failed ones",
+            file=sys.stderr,
+        )
+        return 1
     except (*EXPECTED_ERRORS, ModuleNotFoundError) as error:
         if args.debug or (isinstance(error, ModuleNotFoundError) and _extra_of(error) is None):
             raise

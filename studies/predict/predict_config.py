@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from mergecompose.analysis.streaming import OverlapSettings
 from mergecompose.composition.remedies import RemedySettings
+from mergecompose.core.executor import ResourcesConfig
 from mergecompose.core.io import StrictModel, read_yaml_mapping, validation_message
 from mergecompose.experiments.compare_config import CompareConfig, MergeGrid, check_some_merge_grids, deep_merge
 from mergecompose.studies.letters.letters_task_type import LettersTaskSettings
@@ -82,6 +83,7 @@ class PredictConfig(StrictModel):
     bootstrap: int = Field(2000, ge=100)
     batch_size: int = Field(256, ge=1)
     seed: int = 0
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
 
     @field_validator("merges")
     @classmethod

@@ -24,14 +24,15 @@ import dataclasses
 import json
 import os
 import zlib
+from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from mergecompose.analysis.measure import rollout_batches
 from mergecompose.analysis.predict import unlabelled_diagnostics
 from mergecompose.composition import ComposedLM
 from mergecompose.core.adapters import merged_adapter_model
+from mergecompose.core.executor import Cell, Executor, LocalExecutor, cell_runs, raise_if_failed, run_cells
 from mergecompose.experiments.compare_config import CompareConfig, fingerprint
 from mergecompose.experiments.evaluate import JOINT, score
 from mergecompose.experiments.merge_selection import best_record, merged_model, search_merges
@@ -64,6 +65,7 @@ def run_predict_sweep(
     progress: bool = True,
     echo=print,
     config_path: str | os.PathLike | None = None,
+    executor: Executor | None = None,
 ) -> dict:
     """Measure every setting (resuming from `OUT/settings`), then the statistics and the verdict rule.
 
@@ -72,22 +74,44 @@ def run_predict_sweep(
     (None: the working directory). Every family and setting is validated first (`preflight_predict`),
     before any training starts. A folder that holds the results of another config is refused unless
     `overwrite`; one that another run is writing, at once. Returns the predict.json content.
+
+    The cells (`mergecompose.core.executor`): each family's experts, trained once (`<family>/experts`), and each
+    setting's measurement (`<family>/<setting>`), which waits for its family's experts and writes
+    `OUT/settings/<setting>.json`. `executor`: where they run (default: here, one after another; or
+    `mergecompose.integrations.ray.RayExecutor`). A cell that fails is reported and the others go on; then
+    `CellsFailed` is raised, with no predict.json written, and a rerun measures only what is missing.
     """
     preflight_predict(config, config_path)
     run = RunFolder(out_dir, PREDICT_FOLDER)
-    configs = {name: config.compare_config(name, config_path) for name in config.families}
-    config_hash = fingerprint(config.model_dump(mode="json"))
+    config_hash = fingerprint(config.model_dump(mode="json", exclude={"resources"}))
     with run.claim(config_hash, overwrite):
         (run.path / "settings").mkdir(parents=True, exist_ok=True)
-        records = []
+        cells = []
         for family_name, family in config.families.items():
             if echo is not None:
                 echo(f"== {family_name}: {len(family.settings)} settings")
-            components = prepare_components(configs[family_name], run.path, progress)
-            for setting in tqdm(family.settings, desc=family_name, disable=not progress):
-                records.append(
-                    _setting_record(config, family_name, family, setting, components, run, progress, config_path)
+            experts = f"{family_name}/experts"
+            cells.append(
+                Cell(
+                    experts,
+                    _family_components,
+                    (config, family_name, str(run.path), config_path),
+                    config.resources.train.resources(),
                 )
+            )
+            cells += [
+                Cell(
+                    f"{family_name}/{setting.name}",
+                    _setting_cell,
+                    (config, family_name, setting.name, str(run.path), config_path),
+                    config.resources.cell.resources(),
+                    after=(experts,),
+                )
+                for setting in family.settings
+            ]
+        runs = run_cells(cells, executor, progress, desc="settings")
+        raise_if_failed(runs)
+        records = [runs[cell.name].value for cell in cells if cell.after]
         results = {
             "name": config.name,
             "version": SWEEP_VERSION,
@@ -97,8 +121,34 @@ def run_predict_sweep(
         }
         results["seconds"] = run.elapsed(digits=1)
         results["setting_seconds"] = round(sum(record["seconds"] for record in records), 1)
+        results["cells"] = {"executor": (executor or LocalExecutor()).name, "runs": cell_runs(runs)}
         write_outputs(run, results, config)
     return results
+
+
+# A process's components of each family (trained, or read from the run folder's checkpoints): the local executor
+# trains them once for all its settings; a Ray worker reads them once from the checkpoints the family's cell wrote.
+_COMPONENTS: dict[tuple[str, str], Components] = {}
+
+
+def _family_components(
+    config: PredictConfig, family_name: str, run_path: str, config_path: str | os.PathLike | None
+) -> Components:
+    key = (fingerprint(config.compare_config(family_name, config_path).model_dump(mode="json")), run_path)
+    if key not in _COMPONENTS:
+        _COMPONENTS[key] = prepare_components(config.compare_config(family_name, config_path), Path(run_path), False)
+    return _COMPONENTS[key]
+
+
+def _setting_cell(
+    config: PredictConfig, family_name: str, setting_name: str, run_path: str, config_path: str | os.PathLike | None
+) -> dict:
+    """One setting's record (from the run folder, or measured and written there): one cell of the sweep."""
+    family = config.families[family_name]
+    setting = next(setting for setting in family.settings if setting.name == setting_name)
+    components = _family_components(config, family_name, run_path, config_path)
+    run = RunFolder(run_path, PREDICT_FOLDER)  # the driver holds its lock; the cell writes its own file
+    return _setting_record(config, family_name, family, setting, components, run, False, config_path)
 
 
 def _setting_record(
