@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from mergecompose.composition import ComposedLM
 from mergecompose.core.cli_common import check_free_disk
+from mergecompose.core.executor import Executor
 from mergecompose.core.io import atomic_write_text
 from mergecompose.experiments.compare_config import CompareConfig, fingerprint
 from mergecompose.experiments.compare_report import format_tables, plot_lengths, results_markdown
@@ -82,6 +83,7 @@ def run_compare(
     echo: Callable[[str], None] | None = print,
     threads: int | None = 1,
     checked: bool = False,
+    executor: Executor | None = None,
 ) -> dict:
     """Run the whole comparison and write `results.json`, `results.md`, `length.png`, `config.yaml` to `out_dir`.
 
@@ -95,6 +97,8 @@ def run_compare(
     A config of another compare kind (`mergecompose.experiments.plugins.compare_kinds`, e.g. `type: lm_eval`)
     is run by that kind's own function, under the same `threads`; `sections` apply to `CompareConfig` only.
 
+    `executor` (`mergecompose.core.executor`): where a `type: lm_eval` compare's cells run (default: here).
+
     Everything is checked first (`preflight_compare`), unless `checked`: the caller ran it on this config and
     folder just before (the command line does, once, before `--check` would stop).
     """
@@ -106,7 +110,13 @@ def run_compare(
         torch.set_num_threads(threads)
     try:
         if kind is not None:
-            return kind.run(config, Path(out_dir), overwrite=overwrite, progress=progress, echo=echo)
+            options = {} if executor is None else {"executor": executor}
+            return kind.run(config, Path(out_dir), overwrite=overwrite, progress=progress, echo=echo, **options)
+        if executor is not None and executor.name != "local":
+            raise ValueError(
+                f"`--executor {executor.name}` runs the cells of a compare kind that caches per cell "
+                "(`type: lm_eval`); this config's compare runs here (--executor local)"
+            )
         return _run(config, Path(out_dir), overwrite, progress, sections, echo)
     finally:
         torch.set_num_threads(previous_threads)

@@ -8,6 +8,8 @@ from transformers.utils import logging as transformers_logging
 from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.experiments.compare import preflight_compare, run_compare
 from mergecompose.experiments.compare_config import load_config
+from mergecompose.experiments.executors import add_executor_flags, executor_from_flags
+from mergecompose.experiments.plugins import compare_kind_of
 
 
 def add_commands(subparsers) -> None:
@@ -24,7 +26,8 @@ def add_commands(subparsers) -> None:
         default_threads=1,
         check=True,
     )
-    declare_paths(compare, configs=("config",))
+    add_executor_flags(compare)
+    declare_paths(compare, configs=("config",), not_paths=("executor", "ray_address"))
     compare.set_defaults(func=run_compare_command, preflight=preflight_compare_command)
 
 
@@ -33,12 +36,24 @@ def preflight_compare_command(args):
     config as `args.prepared`."""
     config = load_config(args.config)
     preflight_compare(config, args.out, args.overwrite, args.config)
+    if args.executor != "local" and compare_kind_of(config) is None:
+        raise ValueError(
+            f"`--executor {args.executor}` runs the cells of a compare kind that caches per cell (`type: lm_eval`); "
+            f"{args.config} is a compare of the synthetic task types, which runs here (--executor local)"
+        )
+    args.cell_executor = executor_from_flags(args)
     return config
 
 
 def run_compare_command(args) -> int:
     transformers_logging.disable_progress_bar()  # one "Loading weights" bar per checkpoint load otherwise
     run_compare(
-        args.prepared, args.out, overwrite=args.overwrite, progress=not args.quiet, threads=args.threads, checked=True
+        args.prepared,
+        args.out,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        threads=args.threads,
+        checked=True,
+        executor=args.cell_executor,
     )
     return 0

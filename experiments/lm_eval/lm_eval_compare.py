@@ -25,12 +25,13 @@ import gc
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import lm_eval
 import torch
-from tqdm.auto import tqdm
 
+from mergecompose.core.executor import Cell, CellRun, Executor, LocalExecutor, cell_runs, raise_if_failed, run_cells
 from mergecompose.experiments.compare_config import fingerprint
 from mergecompose.experiments.lm_eval.cells import CellSettings, CellStore, TaskRun, folder_digest
 from mergecompose.experiments.lm_eval.lm_eval_config import LmEvalCompareConfig
@@ -39,11 +40,12 @@ from mergecompose.experiments.lm_eval.lm_eval_systems import (
     MergeBuild,
     build_merge,
     composition_systems,
+    dense_checkpoint,
     plan_merge,
     single_systems,
 )
 from mergecompose.experiments.lm_eval.preflight import LM_EVAL_FOLDER, check_before_work, preflight
-from mergecompose.experiments.merge_selection import best_record, search_merges
+from mergecompose.experiments.merge_selection import best_record
 from mergecompose.experiments.plugins import CompareKind
 from mergecompose.experiments.run_folder import RunFolder
 from mergecompose.experiments.scored_systems import System, merge_name
@@ -57,9 +59,17 @@ def run_lm_eval_compare(
     overwrite: bool = False,
     progress: bool = True,
     echo: Callable[[str], None] | None = print,
+    executor: Executor | None = None,
 ) -> dict:
     """Evaluate every system on every task (reusing finished cells) and write the results; returns results.json's
     content.
+
+    The cells (`mergecompose.core.executor`), run by `executor` (default: here, one after another): the LoRA experts
+    made dense for the merges (`merges/experts`), each grid point's merge scored on `merge_selection`
+    (`select/<method>/<i>`, where a grid has more than one point), each chosen merge built (`merges/<method>`), and
+    each system on each task (`<system>/<task>`, waiting for its merge). A cell's result is its file under `cells/`
+    (or the merge's folder under `cache/`); a failed cell is reported, the others go on, and `CellsFailed` is
+    raised with no results.json written.
 
     With `allow_code_execution: true`, `HF_ALLOW_CODE_EVAL=1` is set for the run too: the code
     tasks' metric (HF evaluate's `code_eval`) refuses to execute anything without it.
@@ -69,25 +79,33 @@ def run_lm_eval_compare(
     (`mergecompose.integrations.lm_eval.quiet`).
     """
     check_before_work(config)
-    return _run_checked(config, out_dir, overwrite=overwrite, progress=progress, echo=echo)
+    return _run_checked(config, out_dir, overwrite=overwrite, progress=progress, echo=echo, executor=executor)
 
 
 def _run_checked(
-    config: LmEvalCompareConfig, out_dir: str | Path, *, overwrite: bool, progress: bool, echo: Callable | None
+    config: LmEvalCompareConfig,
+    out_dir: str | Path,
+    *,
+    overwrite: bool,
+    progress: bool,
+    echo: Callable | None,
+    executor: Executor | None = None,
 ) -> dict:
     """The run, its checks passed: `LM_EVAL_KIND.run`, which `run_compare` calls after the kind's `preflight`."""
     with _code_execution(config.allow_code_execution), quiet_lm_eval(not progress):
-        return _run(config, Path(out_dir), overwrite, progress, echo)
+        return _run(config, Path(out_dir), overwrite, progress, echo, executor or LocalExecutor())
 
 
-def _run(config: LmEvalCompareConfig, out_dir: Path, overwrite: bool, progress: bool, echo) -> dict:
-    config_hash = fingerprint(config)
+def _run(config: LmEvalCompareConfig, out_dir: Path, overwrite: bool, progress: bool, echo, executor) -> dict:
+    config_hash = fingerprint(config.model_dump(mode="json", exclude={"resources"}))
     run = RunFolder(out_dir, LM_EVAL_FOLDER)
     with run.claim(config_hash, overwrite):
-        return _run_claimed(config, config_hash, run, progress, echo)
+        return _run_claimed(config, config_hash, run, progress, echo, executor)
 
 
-def _run_claimed(config: LmEvalCompareConfig, config_hash: str, run: RunFolder, progress: bool, echo) -> dict:
+def _run_claimed(
+    config: LmEvalCompareConfig, config_hash: str, run: RunFolder, progress: bool, echo, executor: Executor
+) -> dict:
     out_dir = run.path
     run.write_config(config)
 
@@ -103,28 +121,68 @@ def _run_claimed(config: LmEvalCompareConfig, config_hash: str, run: RunFolder, 
         allow_code_execution=config.allow_code_execution,
         include_digest=folder_digest([*config.include_paths(), *local_paths]),
     )
-    cells = CellStore(out_dir, settings, manager)
     cache = out_dir / "cache"
+    tasks = _Tasks(local_names, local_paths, settings)
+    _STORES[str(out_dir)] = CellStore(out_dir, settings, manager)  # this process's cells reuse its task manager
+    runs: dict[str, CellRun] = {}
 
     with run.stage("merges"):
         systems = {**single_systems(config), **composition_systems(config)}
-        merges = _merges(config, cells, cache, progress)
+        dense = "merges/experts"
+        prepare = [Cell(dense, _dense_experts, (config, str(cache)), config.cell_resources("train"))]
+        selections = [
+            Cell(
+                f"select/{method}/{index}",
+                _selection_cell,
+                (config, str(out_dir), tasks, method, index),
+                config.cell_resources("cell"),
+                after=(dense,),
+            )
+            for method, grid in config.merges.items()
+            if len(grid.candidates()) > 1
+            for index in range(len(grid.candidates()))
+        ]
+        if config.merges:
+            runs.update(run_cells([*prepare, *selections], executor, progress, desc="merges (validation)"))
+            raise_if_failed(runs)
+        merges = _merges(config, runs, cache)
         for method, record in merges.items():
             systems[merge_name(method)] = record.pop("system")
 
     with run.stage("evaluation"):
-        runs = [TaskRun(name, limit=config.task.limit) for name in task_names]
+        chosen = {method: record["chosen"] for method, record in merges.items()}
+        cells = [
+            Cell(
+                f"merges/{method}",
+                _merge_cell,
+                (config, str(cache), method, chosen[method]),
+                config.cell_resources("train"),
+            )
+            for method in merges
+        ]
+        merge_of = {merge_name(method): f"merges/{method}" for method in merges}
+        cells += [
+            Cell(
+                f"{name}/{task}",
+                _evaluation_cell,
+                (config, str(out_dir), tasks, name, TaskRun(task, limit=config.task.limit), chosen),
+                config.cell_resources("cell"),
+                after=(merge_of[name],) if name in merge_of else (),
+            )
+            for name in systems
+            for task in task_names
+        ]
+        evaluation = run_cells(cells, executor, progress, desc="cells")
+        runs.update(evaluation)
+        raise_if_failed(runs)
         evaluated = {}
-        bar = tqdm(total=len(systems) * len(runs), desc="cells", disable=not progress, leave=False)
         for name, system in systems.items():
-            with _Loader(system) as load:
-                splits, samples, seconds = {}, {}, 0.0
-                for task in runs:
-                    cell = cells.get(system, task, load)
-                    splits.update(cell["splits"])
-                    samples[task.name] = cell["samples"]  # relative to out_dir
-                    seconds += cell["seconds"]
-                    bar.update()
+            splits, samples, seconds = {}, {}, 0.0
+            for task in task_names:
+                cell = evaluation[f"{name}/{task}"].value["cell"]
+                splits.update(cell["splits"])
+                samples[task] = cell["samples"]  # relative to out_dir
+                seconds += cell["seconds"]
             evaluated[name] = {
                 "model": system.load.model,
                 "model_args": system.load.model_args,
@@ -132,7 +190,7 @@ def _run_claimed(config: LmEvalCompareConfig, config_hash: str, run: RunFolder, 
                 "samples": samples,
                 "seconds": round(seconds, 2),
             }
-        bar.close()
+    scored = [run for run in runs.values() if run.ok and isinstance(run.value, dict) and "cell" in run.value]
 
     results = {
         "kind": "lm_eval",
@@ -143,10 +201,11 @@ def _run_claimed(config: LmEvalCompareConfig, config_hash: str, run: RunFolder, 
         "systems": evaluated,
         "merges": merges,
         "cells": {
-            "evaluated": [list(cell) for cell in cells.evaluated],
-            "reused": [list(cell) for cell in cells.reused],
+            "evaluated": [run.value["key"] for run in scored if run.value["evaluated"]],
+            "reused": [run.value["key"] for run in scored if not run.value["evaluated"]],
         },
         "timings": {**run.timings, "total": run.elapsed()},
+        "executor": {"name": executor.name, "runs": cell_runs(runs)},
     }
     run.write_json("results.json", results)
     run.write_text("results.md", results_markdown(results))
@@ -160,53 +219,119 @@ def _run_claimed(config: LmEvalCompareConfig, config_hash: str, run: RunFolder, 
     return results
 
 
-def _merges(config: LmEvalCompareConfig, cells: CellStore, cache: Path, progress: bool) -> dict:
-    """Each method's merge at its chosen grid point: `{"chosen", "folder", "validation", "system"}`."""
+def _merges(config: LmEvalCompareConfig, runs: dict[str, CellRun], cache: Path) -> dict:
+    """Each method's chosen grid point (the best on `merge_selection` where the grid has several):
+    `{"chosen", "folder", "validation", "selected_on", "system"}`. The other points' merged folders are deleted."""
     merges = {}
     selection = config.merge_selection
-    for method, grid in tqdm(config.merges.items(), desc="merges", disable=not progress, leave=False):
+    for method, grid in config.merges.items():
         builds = [plan_merge(config, method, params, cache) for params in grid.candidates()]
         record: dict = {"validation": []}
         best = 0
         if len(builds) > 1:
-            record["validation"], best = _select(config, cells, cache, method, builds)
+            scores = [
+                {"method": method, "params": build.params, **runs[f"select/{method}/{index}"].value}
+                for index, build in enumerate(builds)
+            ]
+            best = scores.index(best_record(scores, higher_is_better=scores[0]["higher_is_better"] is not False))
+            record["validation"] = [
+                {"params": entry["params"], "score": entry["score"], "split": entry["split"]} for entry in scores
+            ]
             for index, build in enumerate(builds):  # only the chosen merge stays on disk
                 if index != best and build.folder.is_dir():
                     shutil.rmtree(build.folder)
             record["selected_on"] = {"task": selection.task, "split": selection.split, "limit": selection.limit}
-        chosen = builds[best]
-        build_merge(config, chosen, cache)
         record.update(
-            {"chosen": chosen.params, "folder": str(chosen.folder), "system": chosen.system(merge_name(method), config)}
+            {
+                "chosen": builds[best].params,
+                "folder": str(builds[best].folder),
+                "system": builds[best].system(merge_name(method), config),
+            }
         )
         merges[method] = record
     return merges
 
 
-def _select(
-    config: LmEvalCompareConfig, cells: CellStore, cache: Path, method: str, builds: list[MergeBuild]
-) -> tuple[list[dict], int]:
-    """Every grid point's score on `merge_selection` (`{"params", "score", "split"}`), and the best one's index.
+@dataclass(frozen=True)
+class _Tasks:
+    """What a cell needs to score: the tiny tasks' names and folder (written by the driver), lm-eval's settings."""
 
-    A merge is built (unless cached) only where its cell on the selection task is not on disk yet.
-    """
+    local_names: list[str]
+    local_paths: list[str]
+    settings: CellSettings
+
+
+# A process's cell store of each run folder (its lm-eval task manager indexes the tasks once), and the lm-eval
+# model it loaded last (the local executor scores a system's tasks one after another on one load).
+_STORES: dict[str, CellStore] = {}
+_LOADED: dict[str, object] = {}
+
+
+def _store(config: LmEvalCompareConfig, out_dir: str, tasks: _Tasks) -> CellStore:
+    if out_dir not in _STORES:
+        manager = config.check_tasks(tasks.local_names, tasks.local_paths)
+        _STORES[out_dir] = CellStore(Path(out_dir), tasks.settings, manager)
+    return _STORES[out_dir]
+
+
+def _loaded(system: System) -> Callable:
+    """`system`'s lm-eval model, loaded on first use; the previously loaded system's is let go first."""
+
+    def load():
+        if system.name not in _LOADED:
+            _LOADED.clear()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            _LOADED[system.name] = system.load()
+        return _LOADED[system.name]
+
+    return load
+
+
+def _dense_experts(config: LmEvalCompareConfig, cache: str) -> None:
+    """The merged experts as full checkpoints (LoRA adapters made dense), once, before any merge is built."""
+    for name in config.merged_experts():
+        dense_checkpoint(config, name, Path(cache))
+
+
+def _selection_cell(config: LmEvalCompareConfig, out_dir: str, tasks: _Tasks, method: str, index: int) -> dict:
+    """One grid point's merge, built (unless cached) and scored on `merge_selection`: `{"score", "split",
+    "higher_is_better"}`."""
     selection = config.merge_selection
+    cache = Path(out_dir) / "cache"
+    build = plan_merge(config, method, config.merges[method].candidates()[index], cache)
+    system = build.system(merge_name(method, build.params), config)
     task = TaskRun(selection.task, selection.split, selection.limit)
-    by_name = {merge_name(method, build.params): build for build in builds}
+    with _code_execution(config.allow_code_execution):  # in a Ray worker too
+        cell = _store(config, out_dir, tasks).get(system, task, _merge_loader(config, build, cache, system))
+    value, split, higher = _selection_score(cell, task.name, selection.metric)
+    return {"score": value, "split": split, "higher_is_better": higher}
 
-    def merge_system(method: str, params: dict) -> System:
-        return by_name[merge_name(method, params)].system(merge_name(method, params), config)
 
-    def selection_score(system: System) -> dict:
-        cell = cells.get(system, task, _merge_loader(config, by_name[system.name], cache, system))
-        value, split, higher = _selection_score(cell, task.name, selection.metric)
-        return {"score": value, "split": split, "higher_is_better": higher}
+def _merge_cell(config: LmEvalCompareConfig, cache: str, method: str, params: dict) -> str:
+    """The chosen merge of `method`, built unless cached: its folder."""
+    return str(build_merge(config, plan_merge(config, method, params, Path(cache)), Path(cache)))
 
-    grid = {method: [build.params for build in builds]}
-    scores = search_merges(grid, merge_system, selection_score, progress=False)
-    best = best_record(scores, higher_is_better=scores[0]["higher_is_better"] is not False)
-    validation = [{"params": entry["params"], "score": entry["score"], "split": entry["split"]} for entry in scores]
-    return validation, scores.index(best)
+
+def _evaluation_cell(
+    config: LmEvalCompareConfig, out_dir: str, tasks: _Tasks, name: str, task: TaskRun, chosen: dict[str, dict]
+) -> dict:
+    """System `name` on `task`: `{"cell", "evaluated", "key"}`, the cell from disk or scored now."""
+    store = _store(config, out_dir, tasks)
+    system = _system(config, Path(out_dir) / "cache", name, chosen)
+    before = len(store.evaluated)
+    with _code_execution(config.allow_code_execution):  # in a Ray worker too
+        cell = store.get(system, task, _loaded(system))
+    return {"cell": cell, "evaluated": len(store.evaluated) > before, "key": [name, task.name]}
+
+
+def _system(config: LmEvalCompareConfig, cache: Path, name: str, chosen: dict[str, dict]) -> System:
+    """The system called `name`: the base, an expert, a composition or a chosen merge."""
+    for method, params in chosen.items():
+        if merge_name(method) == name:
+            return plan_merge(config, method, params, cache).system(name, config)
+    return {**single_systems(config), **composition_systems(config)}[name]
 
 
 def _selection_score(cell: dict, task: str, metric: str | None) -> tuple[float, str, bool | None]:
@@ -245,27 +370,6 @@ def _code_execution(allowed: bool):
             del os.environ["HF_ALLOW_CODE_EVAL"]
         elif allowed:
             os.environ["HF_ALLOW_CODE_EVAL"] = previous
-
-
-class _Loader:
-    """Loads a system's lm-eval model on first use (cells on disk need none) and frees it on exit."""
-
-    def __init__(self, system: System):
-        self.system, self.model = system, None
-
-    def __enter__(self):
-        return self
-
-    def __call__(self):
-        if self.model is None:
-            self.model = self.system.load()
-        return self.model
-
-    def __exit__(self, *exc_info):
-        self.model = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
 
 LM_EVAL_KIND = CompareKind("lm_eval", LmEvalCompareConfig, _run_checked, preflight)  # an entry point

@@ -55,6 +55,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core import sources
+from mergecompose.core.executor import Resources, ResourcesConfig
 from mergecompose.core.io import StrictModel
 from mergecompose.core.sources import check_hub_id, check_model_source, hub_offline, is_local
 from mergecompose.experiments.compare_config import MergeGrid, check_merge_grids
@@ -139,6 +140,8 @@ class LmEvalCompareConfig(StrictModel):
     device: str = "cpu"
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     allow_code_execution: bool = False
+    # What each cell asks of a Ray node (`--executor ray`); not part of the config's fingerprint.
+    resources: ResourcesConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -241,6 +244,13 @@ class LmEvalCompareConfig(StrictModel):
 
     def include_paths(self) -> list[str]:
         return [] if self.task.include_path is None else [self.task.include_path]
+
+    def cell_resources(self, kind: Literal["train", "cell"]) -> Resources:
+        """What a cell of this kind asks of a Ray node: `resources` where given; else one CPU, and for a scoring
+        cell of a CUDA `device` one GPU too (building a merge runs on the CPU)."""
+        if self.resources is not None:
+            return getattr(self.resources, kind).resources()
+        return Resources(1.0, 1.0 if kind == "cell" and self.device.startswith("cuda") else 0.0)
 
     def check_tasks(self, extra_names: Sequence[str] = (), extra_paths: Sequence[str] = ()):
         """Every task file under the include paths reads and has lm-eval's fields; lm-eval knows every task named

@@ -9,6 +9,7 @@ on tiny tasks made from the strings that run scored.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -150,6 +151,36 @@ def test_with_the_papers_merge_definitions_every_system_is_equal(native_run, lm_
         path.name.split("-")[1] for path in (tmp_path / "run" / "cache").iterdir() if path.name.startswith("merge-")
     )
     assert built == ["linear", "task_arithmetic", "ties"]
+
+
+def test_on_ray_the_cells_give_the_local_results(lm_eval_run, tmp_path):
+    """`--executor ray` on a local Ray instance of 2 CPUs: the same results.json, timings and where cells ran aside;
+    the cells ran in Ray's workers."""
+    ray = pytest.importorskip("ray")
+    from mergecompose.integrations.ray import RayExecutor
+
+    config, local_folder, local = lm_eval_run
+    executor = RayExecutor(num_cpus=2)
+    try:
+        on_ray = run_compare(config, tmp_path / "run", progress=False, echo=None, executor=executor)
+    finally:
+        ray.shutdown()
+
+    def without_timings(results, folder):
+        """The results without timings and where cells ran, the run folder's own path as <run>."""
+        results = json.loads(json.dumps(results).replace(str(folder), "<run>"))
+        results = {key: value for key, value in results.items() if key not in ("timings", "executor")}
+        results["systems"] = {
+            name: {key: value for key, value in system.items() if key != "seconds"}
+            for name, system in results["systems"].items()
+        }
+        return results
+
+    assert without_timings(on_ray, tmp_path / "run") == without_timings(local, local_folder)
+    assert on_ray["executor"]["name"] == "ray" and local["executor"]["name"] == "local"
+    runs = on_ray["executor"]["runs"]
+    assert len(runs) == len(on_ray["systems"]) * len(on_ray["tasks"]) + 1 + len(on_ray["merges"])
+    assert {run["pid"] for run in runs.values()}.isdisjoint({os.getpid()})
 
 
 def test_results_files_and_schema(lm_eval_run):
