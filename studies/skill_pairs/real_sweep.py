@@ -29,6 +29,15 @@ from mergecompose.analysis import OverlapSettings, rollout_batches
 from mergecompose.analysis.predict import unlabelled_diagnostics
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core.boundary import check_checkpoint
+from mergecompose.core.executor import (
+    Cell,
+    Executor,
+    LocalExecutor,
+    ResourcesConfig,
+    cell_runs,
+    raise_if_failed,
+    run_cells,
+)
 from mergecompose.core.io import StrictModel, atomic_write_text, markdown_table
 from mergecompose.experiments.compare_config import MergeGrid, fingerprint
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
@@ -61,6 +70,8 @@ class RealSweepConfig(StrictModel):
     sizes: Sizes = Field(default_factory=Sizes)
     max_new_tokens: int = Field(48, ge=1)
     batch_size: int = Field(32, ge=1)
+    # What each cell asks of a Ray node (`--executor ray`); not part of the config's fingerprint.
+    resources: ResourcesConfig = ResourcesConfig()
     merges: dict[str, MergeGrid] = Field(
         default_factory=lambda: {
             "task_arithmetic": MergeGrid(lam=[0.5, 1.0, 1.5]),
@@ -126,25 +137,44 @@ def preflight_real_sweep(config: RealSweepConfig) -> None:
 
 
 def run_real_sweep(
-    config: RealSweepConfig, out_dir: str | os.PathLike, overwrite: bool = False, progress: bool = True, echo=print
+    config: RealSweepConfig,
+    out_dir: str | os.PathLike,
+    overwrite: bool = False,
+    progress: bool = True,
+    echo=print,
+    executor: Executor | None = None,
 ) -> dict:
-    """Run every stage (see the module docstring), resuming from what `out_dir` holds; returns results.json."""
+    """Run every stage (see the module docstring), resuming from what `out_dir` holds; returns results.json.
+
+    The cells (`mergecompose.core.executor`), run by `executor` (default: here, one after another), in three rounds:
+    each skill's expert (`experts/<skill>`), each expert's bar (`bars/<skill>`), and, once the bars are checked, each
+    setting (`settings/<name>`). Each round is a stage of `stage_seconds`; each cell's seconds and where it ran are
+    in `cells`. A failed cell is reported, the others go on, and `CellsFailed` is
+    raised with no results.json written."""
     preflight_real_sweep(config)
     run = RunFolder(out_dir, REAL_FOLDER)
-    config_hash = fingerprint(config.model_dump(mode="json"))
+    config_hash = fingerprint(config.model_dump(mode="json", exclude={"resources"}))
     with run.claim(config_hash, overwrite):
         with run.stage("base"):
             base = base_folder(config.base)
             chat_format(AutoTokenizer.from_pretrained(base))  # a chat format the data can be written in, or one line
-        experts = {}
+        root = str(run.path)
+        train, score = config.resources.train.resources(), config.resources.cell.resources()
         with run.stage("experts"):
-            for skill in config.skills:
-                recipe = SkillRecipe(skill=skill, **config.recipe)
-                experts[skill] = train_skill_expert(base, recipe, run.path, progress=progress)
-                if echo is not None:
-                    echo(f"expert {skill}: {experts[skill].name}")
+            cells = [
+                Cell(f"experts/{skill}", _expert_cell, (config, base, skill, root), train) for skill in config.skills
+            ]
+            runs = run_cells(cells, executor, progress, desc="experts")
+            raise_if_failed(runs)
+            experts = {skill: Path(runs[f"experts/{skill}"].value) for skill in config.skills}
         with run.stage("bars"):
-            bars = {skill: expert_scores(config, base, skill, experts[skill], run.path) for skill in config.skills}
+            cells = [Cell(f"bars/{skill}", _bar_cell, (config, base, skill, root), score) for skill in config.skills]
+            runs.update(run_cells(cells, executor, progress, desc="bars"))
+            raise_if_failed(runs)
+            bars = {skill: runs[f"bars/{skill}"].value for skill in config.skills}
+            if echo is not None:
+                for skill, expert in experts.items():
+                    echo(f"expert {skill}: {expert.name}")
             below_bar = []
             for skill, scores in bars.items():
                 try:
@@ -153,12 +183,18 @@ def run_real_sweep(
                     if config.require_real_experts:
                         raise
                     below_bar.append(skill)
-        settings = []
-        for pair in config.settings:
-            with run.stage(f"setting {config.setting_name(pair)}"):
-                settings.append(setting_record(config, base, pair, experts, run.path, progress))
-            if echo is not None:
-                echo(f"{config.setting_name(pair)}: {settings[-1]['outcome']['label']}")
+        with run.stage("settings"):
+            cells = [  # their experts are done (above)
+                Cell(f"settings/{config.setting_name(pair)}", _setting_cell, (config, base, tuple(pair), root), score)
+                for pair in config.settings
+            ]
+            setting_runs = run_cells(cells, executor, progress, desc="settings")
+            raise_if_failed(setting_runs)
+            settings = [setting_runs[cell.name].value for cell in cells]
+            runs.update(setting_runs)
+        if echo is not None:
+            for pair, setting in zip(config.settings, settings):
+                echo(f"{config.setting_name(pair)}: {setting['outcome']['label']}")
         results = {
             "name": config.name,
             "config_hash": config_hash,
@@ -170,12 +206,29 @@ def run_real_sweep(
             "stage_seconds": run.timings,
             "work_seconds": work_seconds(experts, settings),
             "seconds": run.elapsed(digits=1),
+            "cells": {"executor": (executor or LocalExecutor()).name, "runs": cell_runs(runs)},
         }
         run.write_json("results.json", results)
         run.write_figure(GAP_PLOT, lambda path: plot_diagnostics_against_gap(real_settings(results), path))
         run.write_text("results.md", results_markdown(results))
         run.write_config(config)
     return results
+
+
+def _expert_cell(config: RealSweepConfig, base: str, skill: str, root: str) -> str:
+    """Skill `skill`'s expert, from the run folder's cache or trained now: its folder."""
+    return str(train_skill_expert(base, SkillRecipe(skill=skill, **config.recipe), root, progress=False))
+
+
+def _bar_cell(config: RealSweepConfig, base: str, skill: str, root: str) -> dict:
+    """The base's and the expert's scores on the expert's own skill (cached in the run folder)."""
+    return expert_scores(config, base, skill, Path(_expert_cell(config, base, skill, root)), Path(root))
+
+
+def _setting_cell(config: RealSweepConfig, base: str, pair: tuple[str, str], root: str) -> dict:
+    """One setting's record (cached in its folder), its experts read from the run folder's cache."""
+    experts = {skill: Path(_expert_cell(config, base, skill, root)) for skill in dict.fromkeys(pair)}
+    return setting_record(config, base, pair, experts, Path(root), False)
 
 
 def expert_scores(config: RealSweepConfig, base: str, skill: str, expert: Path, root: Path) -> dict:

@@ -7,6 +7,7 @@ from transformers.utils import logging as transformers_logging
 
 from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.core.io import load_yaml_config
+from mergecompose.experiments.executors import add_executor_flags, executor_from_flags
 from mergecompose.studies.skill_pairs.real_sweep import (
     RealSweepConfig,
     preflight_real_sweep,
@@ -29,20 +30,27 @@ def add_commands(subparsers) -> None:
         overwrite="replace the results of another config in --out",
         check=True,
     )
-    declare_paths(real, configs=("config",))
+    add_executor_flags(real)
+    declare_paths(real, configs=("config",), not_paths=("executor", "ray_address"))
     real.set_defaults(func=run_real_sweep_command, preflight=preflight_real_sweep_command)
 
 
 def preflight_real_sweep_command(args) -> RealSweepConfig:
     config = load_yaml_config(args.config, RealSweepConfig, "real-sweep config")
     preflight_real_sweep(config)
+    args.cell_executor = executor_from_flags(args)
     return config
 
 
 def run_real_sweep_command(args) -> int:
     transformers_logging.disable_progress_bar()
     results = run_real_sweep(
-        args.prepared, args.out, overwrite=args.overwrite, progress=not args.quiet, echo=None if args.quiet else print
+        args.prepared,
+        args.out,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+        echo=None if args.quiet else print,
+        executor=args.cell_executor,
     )
     print(real_settings_table(results))
     if not args.quiet:

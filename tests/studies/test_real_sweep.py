@@ -8,6 +8,7 @@ with `require_real_experts: false` the sweep goes on and records them as below t
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -98,7 +99,8 @@ def test_the_scaled_sweep_end_to_end(sweep, capsys):
     for key in ("top1_shift_rate_mean", "merge_compose_kl", "projective_error_dominant", "coactivation_rate@0.1"):
         assert key in record["diagnostics"], key
     assert record["diagnostics"]["merge_compose_kl"] is not None and record["diagnostics"]["merge_compose_kl"] >= 0
-    assert {"base", "experts", "bars", "setting units+json"} <= set(results["stage_seconds"])
+    assert {"base", "experts", "bars", "settings"} <= set(results["stage_seconds"])
+    assert results["cells"]["runs"]["settings/units+json"]["pid"] == os.getpid()  # the local executor: here
     # Each piece's own time, kept where it was made: the experts' training, the cells (first run: all made here).
     work = results["work_seconds"]
     assert set(work["expert_training"]) == set(SKILLS) and all(v > 0 for v in work["expert_training"].values())
@@ -147,7 +149,7 @@ def test_a_rerun_resumes_from_the_folder(sweep, monkeypatch, capsys):
     assert main(["real-sweep", str(lenient), "--out", str(out), "--quiet"]) == 0
     after = json.loads((out / "results.json").read_text())
     for result in (before, after):
-        result.pop("stage_seconds"), result.pop("seconds")
+        result.pop("stage_seconds"), result.pop("seconds"), result.pop("cells")  # timings, and where cells ran
         for record in result["settings"]:
             record.pop("seconds")
     assert after == before
