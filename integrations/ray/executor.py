@@ -54,7 +54,14 @@ class RayExecutor:
         if ray.is_initialized():
             return
         if self.address in (None, "local"):
-            ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+            # "local": a new instance, even where another runs on this machine (Ray would join it otherwise).
+            ray.init(
+                address="local",
+                num_cpus=self.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+            )
         else:
             ray.init(address=self.address, log_to_driver=False, configure_logging=False)
 
