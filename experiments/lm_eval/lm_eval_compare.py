@@ -123,7 +123,7 @@ def _run_claimed(
     )
     cache = out_dir / "cache"
     tasks = _Tasks(local_names, local_paths, settings)
-    _STORES[str(out_dir)] = CellStore(out_dir, settings, manager)  # this process's cells reuse its task manager
+    _STORES[_store_key(str(out_dir), tasks)] = CellStore(out_dir, settings, manager)  # this process's cells reuse it
     runs: dict[str, CellRun] = {}
 
     with run.stage("merges"):
@@ -172,7 +172,10 @@ def _run_claimed(
             for name in systems
             for task in task_names
         ]
-        evaluation = run_cells(cells, executor, progress, desc="cells")
+        try:
+            evaluation = run_cells(cells, executor, progress, desc="cells")
+        finally:
+            _free_loaded()  # the last system's model, loaded here by the local executor
         runs.update(evaluation)
         raise_if_failed(runs)
         evaluated = {}
@@ -268,25 +271,37 @@ _LOADED: dict[str, object] = {}
 
 
 def _store(config: LmEvalCompareConfig, out_dir: str, tasks: _Tasks) -> CellStore:
-    if out_dir not in _STORES:
+    """The cell store of `out_dir` for these settings (a worker may serve several runs)."""
+    key = _store_key(out_dir, tasks)
+    if key not in _STORES:
         manager = config.check_tasks(tasks.local_names, tasks.local_paths)
-        _STORES[out_dir] = CellStore(Path(out_dir), tasks.settings, manager)
-    return _STORES[out_dir]
+        _STORES[key] = CellStore(Path(out_dir), tasks.settings, manager)
+    return _STORES[key]
+
+
+def _store_key(out_dir: str, tasks: _Tasks) -> str:
+    return fingerprint(out_dir, tasks.local_names, tasks.local_paths, vars(tasks.settings))
 
 
 def _loaded(system: System) -> Callable:
     """`system`'s lm-eval model, loaded on first use; the previously loaded system's is let go first."""
 
+    key = fingerprint(system.name, system.identity, system.load.model, system.load.model_args)
+
     def load():
-        if system.name not in _LOADED:
-            _LOADED.clear()
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            _LOADED[system.name] = system.load()
-        return _LOADED[system.name]
+        if key not in _LOADED:
+            _free_loaded()
+            _LOADED[key] = system.load()
+        return _LOADED[key]
 
     return load
+
+
+def _free_loaded() -> None:
+    _LOADED.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _dense_experts(config: LmEvalCompareConfig, cache: str) -> None:
