@@ -34,6 +34,11 @@ def exponents(weights: Sequence[float] | None, num_experts: int) -> list[float]:
     return [1.0 - sum(expert_weights), *expert_weights]
 
 
+def row_exponents(weights: torch.Tensor) -> torch.Tensor:
+    """`exponents` of each row's weights `(rows, k)`: `(rows, k+1)`, base first (per-request weights in vLLM)."""
+    return torch.cat([1.0 - weights.sum(dim=1, keepdim=True), weights], dim=1)
+
+
 def head_is_last(model: PreTrainedModel) -> bool:
     """True if `model`'s logits are its output layer's output as it is, checked on a few tokens (ids 1-3: id 0
     is often padding, whose embedding can be zero and its logits too, whatever comes after the layer).

@@ -42,7 +42,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.model_executor.models.utils import maybe_prefix
 
-from mergecompose.composition.kernels.mixed_head import exponents
+from mergecompose.composition.kernels.mixed_head import exponents, row_exponents
 from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch, fastest
 from mergecompose.composition.rule import compose_logprobs_unchecked
 from mergecompose.integrations.vllm.requests import request_weights
@@ -193,9 +193,7 @@ class ComposedForCausalLM(nn.Module):
         if weights is None:
             mixed = torch.einsum("c,tch->th", self.exponents, stacked)  # (tokens, hidden)
         else:
-            rows = weights[0]  # (tokens, k)
-            row_exponents = torch.cat([1.0 - rows.sum(dim=1, keepdim=True), rows], dim=1)  # (tokens, k+1)
-            mixed = torch.einsum("tc,tch->th", row_exponents, stacked)
+            mixed = torch.einsum("tc,tch->th", row_exponents(weights[0]), stacked)  # weights[0]: (tokens, k)
         return torch.log_softmax(self.base.compute_logits(mixed.to(hidden_states.dtype)).float(), dim=-1)
 
     def _logits_per_component(self, hidden_states: torch.Tensor, weights=None) -> torch.Tensor | None:

@@ -134,9 +134,10 @@ _COMPONENTS: dict[tuple[str, str], Components] = {}
 def _family_components(
     config: PredictConfig, family_name: str, run_path: str, config_path: str | os.PathLike | None
 ) -> Components:
-    key = (fingerprint(config.compare_config(family_name, config_path).model_dump(mode="json")), run_path)
+    compare = config.compare_config(family_name, config_path)
+    key = (fingerprint(compare.model_dump(mode="json")), run_path)
     if key not in _COMPONENTS:
-        _COMPONENTS[key] = prepare_components(config.compare_config(family_name, config_path), Path(run_path), False)
+        _COMPONENTS[key] = prepare_components(compare, Path(run_path), False)
     return _COMPONENTS[key]
 
 

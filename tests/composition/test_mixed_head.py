@@ -12,7 +12,14 @@ import torch
 from transformers import Gemma2Config, Gemma2ForCausalLM
 
 from mergecompose.composition import ComposedLM, compose_logprobs
-from mergecompose.composition.kernels.mixed_head import MixedHead, can_mix, compose_mixed, exponents, head_is_last
+from mergecompose.composition.kernels.mixed_head import (
+    MixedHead,
+    can_mix,
+    compose_mixed,
+    exponents,
+    head_is_last,
+    row_exponents,
+)
 from mergecompose.composition.remedies import ActivityGate
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama, random_lora_adapter
 
@@ -22,6 +29,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_exponents_are_the_rules():
     assert exponents(None, 2) == [-1.0, 1.0, 1.0]
     assert exponents([0.7, 1.3], 2) == pytest.approx([-1.0, 0.7, 1.3])
+    rows = [[0.7, 1.3], [0.0, 0.0], [-0.5, 2.0]]
+    for got, row in zip(row_exponents(torch.tensor(rows)).tolist(), rows):
+        assert got == pytest.approx(exponents(row, 2))
     assert exponents([0.5], 1) == [0.5, 0.5]
 
 
