@@ -33,6 +33,10 @@ def items(both: int, merge_only: int, compose_only: int, neither: int) -> tuple[
         (100, 2, 8, 90, "either"),  # p = 2 · 56 / 1024 = 0.109
         (100, 1, 9, 90, "compose"),  # p = 2 · 11 / 1024 = 0.0215
         (100, 0, 0, 100, "either"),  # no discordant item: p = 1
+        (0, 0, 19, 181, "neither"),  # p = 2 / 2^19, but the composition's 9.5 % is below the 10 % floor
+        (0, 0, 20, 180, "compose"),  # 10 % reaches the floor: the test decides
+        (19, 0, 1, 180, "either"),  # merge 9.5 %, composition 10 %: one reaches the floor, no difference
+        (0, 0, 0, 50, "neither"),  # both 0 %
         (0, 6, 0, 0, "merge"),  # p = 2 / 64 = 0.03125
         (0, 5, 0, 0, "either"),  # p = 2 / 32 = 0.0625: five items cannot decide at α = 0.05
     ],
@@ -64,3 +68,5 @@ def test_bad_inputs_are_named():
         paired_outcome([1, 0], [True, False])
     with pytest.raises(ValueError, match="`alpha` must be in"):
         paired_outcome([True], [False], alpha=1.5)
+    with pytest.raises(ValueError, match="`floor` must be in"):
+        paired_outcome([True], [False], floor=-0.1)
