@@ -353,8 +353,52 @@ def write_outputs(folder: Path, results: dict, config: dict) -> list[str]:
     return names
 
 
+def _percent(value: float) -> str:
+    return f"{100 * value:.0f} %"
+
+
+def _interval(interval) -> str:
+    low, high = interval
+    return f"[{_percent(low)}, {_percent(high)}]"
+
+
+_MEASURE_IT = "Measure it: `mergecompose decide` (docs/guides/merge-or-compose.md)."
+
+
+def _real_settings_lines(recommendation: dict) -> tuple[str | None, str]:
+    """The "no recommendation" headline (None where the verdict is a decision) and the line of the rule's figures
+    on real experts (`RealSettingsScore`), or that it has none."""
+    real = recommendation.get("real_settings")
+    if real is None:
+        headline = (
+            "No recommendation: this rule was not measured on real experts, so its verdict is not a decision. "
+            + _MEASURE_IT
+        )
+        return headline, "  not measured on real experts: the rule file has no figures on real settings"
+    constant = real["best_constant"]
+    rates = ", ".join(f"{label} {_percent(rate)}" for label, rate in real["base_rates"].items())
+    figures = (
+        f"  on real experts (held out from the rule): {_percent(real['accuracy'])} {_interval(real['interval'])} "
+        f"right over {real['n']} settings ({real['undecided']} undecided); always answering "
+        f"{constant['label']!r}: {_percent(constant['accuracy'])} {_interval(constant['interval'])}; "
+        f"base rates: {rates} ({real['source']})"
+    )
+    if recommendation.get("decision"):
+        return None, figures
+    headline = (
+        "No recommendation: on real experts these diagnostics do not predict merge or compose better than always "
+        f"answering {constant['label']!r} (rule {_percent(real['accuracy'])} {_interval(real['interval'])} vs "
+        f"{_percent(constant['accuracy'])}, {real['n']} settings); base rates: {rates}. {_MEASURE_IT}"
+    )
+    return headline, figures
+
+
 def recommendation_text(recommendation: dict) -> str:
-    """`--recommend`'s verdict with its evidence, as lines for the terminal and overlap.md."""
+    """`--recommend`'s verdict with its evidence, as lines for the terminal and overlap.md.
+
+    The verdict is a decision only where the rule beats the best constant answer on real experts
+    (`recommendation["decision"]`); otherwise the first line says there is no recommendation and why, and the
+    verdict follows as what the rule would say."""
     accuracy = recommendation["heldout_accuracy"]
     sweep = recommendation.get("sweep") or {}
     verdict = recommendation["verdict"]
@@ -364,11 +408,16 @@ def recommendation_text(recommendation: dict) -> str:
         verdict += f" (one of {', '.join(possible)}: a diagnostic the rule reads is undefined here)"
     elif undefined:
         verdict += " (a diagnostic the rule reads is undefined here; the verdict does not depend on it)"
+    headline, figures = _real_settings_lines(recommendation)
+    first = [f"Recommendation: {verdict}"]
+    if headline is not None:
+        first = [headline, f"  what the rule would say (not a decision): {verdict}"]
     lines = [
-        f"Recommendation: {verdict}",
+        *first,
         *(f"  undefined: {name}: {reason}" for name, reason in undefined.items()),
         *(f"  {name}: {text}" for name, text in recommendation["evidence"].items()),
-        f"  the rule's accuracy on held-out task families: {format_number(accuracy)} "
+        figures,
+        f"  the rule's accuracy on held-out synthetic task families: {format_number(accuracy)} "
         f"over {recommendation['n_settings']} settings "
         f"(sweep {sweep.get('name', '?')}, version {sweep.get('version', '?')})",
         f"  note: {recommendation['caveat']}",

@@ -15,7 +15,9 @@ above ε (none otherwise).
 * `diagnostic_names`: those names, known before anything is measured, so that a rule naming one the
   overlap does not measure is refused before any model loads (`check_rule_diagnostics`).
 * `VerdictRule`: thresholds fitted by `mergecompose predict-sweep` on synthetic tasks
-  (`mergecompose.studies.predict`), shipped as `predict_rule.json`; `recommend` applies it and says why.
+  (`mergecompose.studies.predict`), shipped as `predict_rule.json`; `recommend` applies it and says why. Its
+  verdict is a decision only where the rule's score on real experts (`VerdictRule.real_settings`,
+  `mergecompose.analysis.real_settings_score`) beats always answering the most common label.
   A diagnostic that comes out undefined on the data (None: e.g. the single-active projective error
   where every position is co-active) does not fail the verdict: see `VerdictRule.verdict`. Its
   top-1-shift twin, `projective_error_dominant`, stays defined there (`shift_diagnostics`).
@@ -37,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from mergecompose.analysis.diagnostics import expert_activity
 from mergecompose.analysis.measure import batch_tensors, measure_overlap
 from mergecompose.analysis.overlap_settings import OverlapSettings
+from mergecompose.analysis.real_settings_score import RealSettingsScore
 from mergecompose.composition import ComposedLM, compose_with_remedies
 from mergecompose.composition.rule import check_weights, compose_logprobs
 from mergecompose.core.boundary import check_text_file
@@ -388,6 +391,8 @@ class VerdictRule(BaseModel):
     heldout_accuracy: float | None = None
     n_settings: int | None = None
     sweep: dict = Field(default_factory=dict)  # which sweep fitted it: name, version, config hash
+    # Its accuracy on real experts against the best constant (`score_on_real_settings`); None: not measured.
+    real_settings: RealSettingsScore | None = None
 
     def features(self) -> dict[str, str]:
         """The diagnostic each part reads: part ("compose", "merge", "remedy") -> name (constant parts left out)."""
@@ -481,6 +486,10 @@ def recommend(
     `reasons` (`undefined_reasons`) say why a diagnostic is undefined; every diagnostic the rule reads
     that is undefined here is listed under `undefined` with its reason, and `possible_verdicts` gives
     the verdicts the defined ones allow (`VerdictRule.verdict`).
+
+    `real_settings` is the rule's score on real experts (`RealSettingsScore`, None where the rule file has none,
+    and then `measured_on_real` is False); `decision` is True only where that score is strictly above always
+    answering the best constant label: otherwise the verdict is what the rule would say, not a decision.
     """
     reasons = reasons or {}
     undefined = {
@@ -488,6 +497,7 @@ def recommend(
         for feature in dict.fromkeys(rule.features().values())
         if is_undefined(diagnostics.get(feature))
     }
+    real = rule.real_settings
     return {
         "verdict": rule.verdict(diagnostics),
         "possible_verdicts": rule.possible_verdicts(diagnostics),
@@ -499,4 +509,7 @@ def recommend(
         "caveat": "fitted on the toolkit's synthetic tasks (letter replacement, sequential skills) with small models; "
         "a guide for what to measure on your own experts, not a guarantee",
         "diagnostics": dict(diagnostics),
+        "real_settings": None if real is None else real.model_dump(mode="json"),
+        "measured_on_real": real is not None,
+        "decision": real is not None and real.beats_best_constant(),
     }

@@ -32,8 +32,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 from scipy.stats import binomtest
 
+from mergecompose.analysis.paired_outcome import OUTCOMES
 from mergecompose.analysis.predict import Threshold
-from mergecompose.studies.predict.paired_outcome import OUTCOMES
 from mergecompose.studies.predict.stats import fit_threshold, usable_diagnostics
 
 UNDECIDED = "undecided"

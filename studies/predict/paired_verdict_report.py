@@ -8,10 +8,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from mergecompose.analysis.paired_outcome import OUTCOMES
 from mergecompose.core.io import atomic_save_figure, markdown_table
 from mergecompose.experiments.compare_config import fingerprint
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
-from mergecompose.studies.predict.paired_outcome import OUTCOMES
 from mergecompose.studies.predict.paired_verdict import (
     BASELINES,
     PREDICTIONS,

@@ -9,7 +9,7 @@ For every setting (an expert set from one of the families of `PredictConfig`):
 * **outcomes, labelled**: exact match on held-out joint inputs of plain composition, of each
   remedy (the best is `best_remedy`), of the best merge (every grid point of `merges` scored on a
   validation set, the best one on the test set), and of each expert on its own skill;
-* **the paired label** (`mergecompose.studies.predict.paired_outcome`, the same as the real settings'): the best
+* **the paired label** (`mergecompose.analysis.paired_outcome`, the same as the real settings'): the best
   merge against the best composition (plain or a remedy, chosen on the validation inputs) on the same test
   inputs, exact McNemar: "merge", "compose" or "either"; each system's right/wrong per test input is kept.
 
@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from mergecompose.analysis.measure import rollout_batches
+from mergecompose.analysis.paired_outcome import paired_outcome
 from mergecompose.analysis.predict import unlabelled_diagnostics
 from mergecompose.composition import ComposedLM
 from mergecompose.core.adapters import merged_adapter_model
@@ -43,7 +44,6 @@ from mergecompose.merging import TaskVector
 from mergecompose.studies.letters.letters_task_type import LettersTaskSettings
 from mergecompose.studies.letters.overlap import pair_strings, prompt_batches
 from mergecompose.studies.letters.overlap_sweep import greedy_pair_outputs, joint_accuracy, joint_rights
-from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.predict.predict_config import (
     SWEEP_VERSION,
     FamilySpec,

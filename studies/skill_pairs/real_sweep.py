@@ -26,6 +26,7 @@ from scipy.stats import spearmanr
 from transformers import AutoTokenizer
 
 from mergecompose.analysis import OverlapSettings, rollout_batches
+from mergecompose.analysis.paired_outcome import OUTCOMES
 from mergecompose.analysis.predict import unlabelled_diagnostics
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core.boundary import check_checkpoint
@@ -43,7 +44,6 @@ from mergecompose.experiments.compare_config import MergeGrid, fingerprint
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
 from mergecompose.integrations.gguf.fetch import MODELS, fetch_model
 from mergecompose.studies.math_code.chat_data import chat_format, end_of_turn_id, generation_inputs
-from mergecompose.studies.predict.paired_outcome import OUTCOMES
 from mergecompose.studies.predict.paired_verdict import real_settings
 from mergecompose.studies.predict.paired_verdict_report import GAP_PLOT, plot_diagnostics_against_gap
 from mergecompose.studies.skill_pairs.setting_run import SettingRun

@@ -31,12 +31,12 @@ from peft import PeftModel
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mergecompose.analysis.paired_outcome import paired_outcome
 from mergecompose.composition import ComposedLM
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core.io import atomic_write_text
 from mergecompose.merging import TaskVector, merge
 from mergecompose.studies.math_code.chat_data import end_of_turn_id, generation_inputs
-from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.skill_pairs.skill_data import SkillItem
 from mergecompose.studies.skill_pairs.skill_scoring import score_item
 

@@ -17,6 +17,7 @@ from scipy import stats
 
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.analysis.diagnostics import expert_activity
+from mergecompose.analysis.paired_outcome import paired_outcome
 from mergecompose.analysis.predict import (
     VERDICTS,
     Threshold,
@@ -31,7 +32,6 @@ from mergecompose.composition import ComposedLM
 from mergecompose.composition.rule import compose_logprobs
 from mergecompose.experiments.trained_models import prepare_components
 from mergecompose.studies.predict import PredictConfig
-from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.predict.predict_config import SettingSpec
 from mergecompose.studies.predict.predict_sweep import measure_setting
 from mergecompose.studies.predict.stats import (
@@ -367,11 +367,17 @@ def test_overlap_recommend_prints_the_rule_s_verdict_on_these_diagnostics(checkp
     recommendation = json.loads((out / "overlap.json").read_text())["recommendation"]
     diagnostics = recommendation["diagnostics"]
     assert recommendation["verdict"] == rule.verdict(diagnostics)
-    assert f"Recommendation: {recommendation['verdict']}" in printed and "synthetic tasks" in printed
+    # A rule without figures on real experts: its verdict is shown as what it would say, not as a decision.
+    assert recommendation["decision"] is False and recommendation["real_settings"] is None
+    assert "No recommendation: this rule was not measured on real experts" in printed
+    assert f"what the rule would say (not a decision): {recommendation['verdict']}" in printed
+    assert "synthetic tasks" in printed and "Recommendation:" not in printed
     assert f"silent_flip_rate = {diagnostics['silent_flip_rate']:.4g}" in printed
     # Random experts, the task-arithmetic merge built in memory: they disagree, so the gap is large.
     assert diagnostics["merge_compose_kl"] > 0.05
-    assert "## Merge or compose?" in (out / "overlap.md").read_text()
+    assert (
+        "## Merge or compose?\n\n```\nNo recommendation: this rule was not measured" in (out / "overlap.md").read_text()
+    )
     # A rule without --recommend is refused in one line.
     assert main([*args, "--rule", str(rule_path), "--out", str(tmp_path / "out2")]) == 2
     assert "--recommend" in capsys.readouterr().err

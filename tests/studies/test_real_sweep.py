@@ -16,9 +16,9 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mergecompose.analysis.paired_outcome import paired_outcome
 from mergecompose.cli import main
 from mergecompose.studies.math_code.chat_data import generation_inputs
-from mergecompose.studies.predict.paired_outcome import paired_outcome
 from mergecompose.studies.skill_pairs import skill_experts
 from mergecompose.studies.skill_pairs.real_sweep import claims_markdown, paper_claims
 from mergecompose.studies.skill_pairs.skill_data import joint_items

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mergecompose.studies.predict.paired_outcome import paired_outcome
+from mergecompose.analysis.paired_outcome import paired_outcome
 
 
 def exact_mcnemar(merge_only: int, compose_only: int) -> float:
