@@ -26,6 +26,7 @@ _COMMAND_MODULES = [
     "mergecompose.analysis.overlap_command",
     "mergecompose.experiments.compare_command",
     "mergecompose.studies.sweep_commands",
+    "mergecompose.studies.decide.decide_command",
     "mergecompose.studies.predict.records_command",
 ]
 # Commands of an optional extra: module -> (the package it needs, the command or a tuple of them, the extra).

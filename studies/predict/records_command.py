@@ -3,12 +3,23 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from mergecompose.analysis.overlap_report import json_safe
 from mergecompose.analysis.paired_outcome import OUTCOMES
+from mergecompose.analysis.predict import load_rule
+from mergecompose.analysis.real_settings_score import score_on_real_settings
 from mergecompose.core.cli_common import add_common_flags, declare_paths
-from mergecompose.core.io import markdown_table
-from mergecompose.studies.predict.records import export_records, relabel_counts, write_records
+from mergecompose.core.io import atomic_write_text, markdown_table
+from mergecompose.studies.predict.records import (
+    RECORDS_FILE,
+    SettingsRecords,
+    export_records,
+    load_records,
+    relabel_counts,
+    write_records,
+)
 
 
 def add_commands(subparsers) -> None:
@@ -33,6 +44,48 @@ def add_commands(subparsers) -> None:
     add_common_flags(export)
     declare_paths(export, inputs=("real", "predict"), outputs=(), output_files=("out",))
     export.set_defaults(func=run_export_records)
+
+    score = subparsers.add_parser(
+        "score-rule",
+        help="measure a verdict rule on the real settings of a records file (its verdicts against their paired "
+        "labels, and the best constant) and write the rule with those figures, which overlap --recommend prints",
+    )
+    score.add_argument("--rule", metavar="FILE", help="a predict_rule.json (default: the shipped rule)")
+    score.add_argument("--records", required=True, metavar="FILE", help=f"a records file, e.g. {RECORDS_FILE}")
+    score.add_argument("--out", required=True, metavar="FILE", help="the rule file to write, with its figures")
+    score.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    add_common_flags(score, threads=False)
+    declare_paths(score, inputs=("records",), configs=("rule",), outputs=(), output_files=("out",))
+    score.set_defaults(func=run_score_rule)
+
+
+def real_settings_of(records: SettingsRecords) -> list[tuple[str, dict]]:
+    """(paired label, diagnostics) of every real setting of `records`."""
+    settings = [(setting.label, setting.diagnostics) for setting in records.settings if setting.source == "real"]
+    if not settings:
+        raise ValueError("`--records` holds no real setting: the rule is measured on real settings only")
+    return settings
+
+
+def run_score_rule(args) -> int:
+    out = Path(args.out)
+    if out.exists() and not args.overwrite:
+        raise FileExistsError(f"`--out` {args.out!r} exists; give --overwrite to replace it")
+    rule = load_rule(args.rule)
+    records = load_records(args.records)
+    source = f"{Path(args.records).name} v{records.version} ({records.made.commit}, {records.made.date})"
+    score = score_on_real_settings(rule, real_settings_of(records), source)
+    scored = rule.model_copy(update={"real_settings": score})
+    atomic_write_text(out, json.dumps(json_safe(scored.model_dump(mode="json")), indent=1) + "\n")
+    best = score.best_constant
+    print(
+        f"on {score.n} real settings: the rule {100 * score.accuracy:.1f} % [{100 * score.interval[0]:.1f}, "
+        f"{100 * score.interval[1]:.1f}] ({score.undecided} undecided); always '{best.label}' "
+        f"{100 * best.accuracy:.1f} %"
+    )
+    if not args.quiet:
+        print(f"wrote {args.out}")
+    return 0
 
 
 def run_export_records(args) -> int:
