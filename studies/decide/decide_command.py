@@ -93,7 +93,7 @@ def add_commands(subparsers) -> None:
     joint.add_argument("--seed", type=int, default=0, help="(default 0, as real-sweep)")
     joint.add_argument("--out", required=True, metavar="FILE", help="the JSONL to write")
     joint.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    add_common_flags(joint, threads=False)
+    add_common_flags(joint)
     declare_paths(joint, output_files=("out",), not_paths=("first", "second", "split"))
     joint.set_defaults(func=run_joint_task_command)
 
@@ -107,7 +107,7 @@ def add_commands(subparsers) -> None:
     replay.add_argument("--seed", type=int, default=0, help="(default 0)")
     replay.add_argument("--alpha", type=float, default=0.05, help="the error rate, in (0, 0.5) (default 0.05)")
     replay.add_argument("--delta", type=float, default=0.10, help="'either' margin, in (0, 1) (default 0.10)")
-    add_common_flags(replay, out="folder: replay.json, replay.md", out_required=True, threads=False)
+    add_common_flags(replay, out="folder: replay.json, replay.md", out_required=True)
     declare_paths(replay, inputs=("records",))
     replay.set_defaults(func=run_replay_command)
 

@@ -54,7 +54,7 @@ def add_commands(subparsers) -> None:
     score.add_argument("--records", required=True, metavar="FILE", help=f"a records file, e.g. {RECORDS_FILE}")
     score.add_argument("--out", required=True, metavar="FILE", help="the rule file to write, with its figures")
     score.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    add_common_flags(score, threads=False)
+    add_common_flags(score)
     declare_paths(score, inputs=("records",), configs=("rule",), outputs=(), output_files=("out",))
     score.set_defaults(func=run_score_rule)
 

@@ -33,6 +33,11 @@ COMMANDS = [
     "fetch-model",
     "convert-gguf",
     "generate",
+    "decide",
+    "joint-task",
+    "decide-replay",
+    "export-records",
+    "score-rule",
 ]
 WRITING_COMMANDS = [
     "merge",
@@ -47,6 +52,11 @@ WRITING_COMMANDS = [
     "vllm-model",
     "fetch-model",
     "convert-gguf",
+    "decide",
+    "joint-task",
+    "decide-replay",
+    "export-records",
+    "score-rule",
 ]
 
 
@@ -104,6 +114,11 @@ VALID_ARGUMENTS = {
     "fetch-model": ["smollm2-135m-instruct", "--out", "out"],
     "convert-gguf": ["x.gguf", "--out", "out"],
     "generate": ["a prompt", "--base", "base", "--expert", "expert"],
+    "decide": ["--base", "base", "--expert", "a", "--expert", "b", "--task", "task.jsonl", "--out", "out"],
+    "joint-task": ["units", "json", "--out", "task.jsonl"],
+    "decide-replay": ["--records", "records.json", "--out", "out"],
+    "export-records": ["--predict", "runs/predict", "--out", "out.json"],
+    "score-rule": ["--records", "records.json", "--out", "rule.json"],
 }
 
 

