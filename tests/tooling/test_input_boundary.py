@@ -58,7 +58,6 @@ from safetensors.torch import load_file, save_file
 import mergecompose
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.cli import build_parser, main
-from mergecompose.studies.decide import read_task
 from mergecompose.composition import ComposedLM
 from mergecompose.core import adapters, boundary
 from mergecompose.core import io as core_io
@@ -75,6 +74,7 @@ from mergecompose.merging import (
     lora_delta_weights,
     merge_checkpoints,
 )
+from mergecompose.studies.decide import read_task
 
 ROOT = Path(__file__).resolve().parents[2]
 # prctl(PR_CAPBSET_DROP, cap): the capabilities by which root reads a file whatever its mode.
