@@ -30,6 +30,15 @@ from mergecompose.analysis.diagnostics import (
 )
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
 from mergecompose.analysis.overlap_settings import OverlapSettings
+from mergecompose.analysis.paired_outcome import PairedOutcome, paired_outcome
+from mergecompose.analysis.sequential_decision import (
+    BettingConfidenceSequence,
+    Decision,
+    DecisionSettings,
+    SequentialDecision,
+    decide_sequence,
+    replay_orders,
+)
 from mergecompose.analysis.shift_diagnostics import (
     dominant_shift_error,
     shift_agreement,
@@ -41,15 +50,21 @@ from mergecompose.analysis.shift_diagnostics import (
 from mergecompose.analysis.streaming import OverlapAccumulator, OverlapReport
 
 __all__ = [
+    "BettingConfidenceSequence",
+    "Decision",
+    "DecisionSettings",
     "OverlapAccumulator",
     "OverlapReport",
     "OverlapSettings",
+    "PairedOutcome",
+    "SequentialDecision",
     "active_experts",
     "active_intervals",
     "centred_deltas",
     "coactivation_rate",
     "conditional_kl",
     "delta_norm_ratio",
+    "decide_sequence",
     "delta_supports",
     "dominant_shift_error",
     "expert_activity",
@@ -60,6 +75,8 @@ __all__ = [
     "measure_overlap",
     "merge_compose_gap",
     "overlap_weights",
+    "paired_outcome",
+    "replay_orders",
     "restricted_projective_error",
     "rollout_batches",
     "shift_agreement",
