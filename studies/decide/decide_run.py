@@ -258,7 +258,7 @@ def validation_cell(run: RunFolder, systems: Systems, prepared: PreparedDecide, 
             )
     finally:
         _close(model)
-    right = [bool(prepared.score(item.prompt, output, item.reference)) for item, output in zip(items, outputs)]
+    right = [scored(prepared, item, output) for item, output in zip(items, outputs)]
     cell = {"system": name, "prompts": prompts, "outputs": outputs, "right": right, "accuracy": sum(right) / len(right)}
     cell["seconds"] = round(time.perf_counter() - started, 1)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -330,6 +330,8 @@ def run_decide(
 
 
 def _test_loop(run, systems, prepared, chosen, builders, settings, progress) -> dict:
+    """Feed the rule the logged items, then answer and log new ones, a batch at a time, until it decides or the
+    budget is spent (`rows` holds every item answered, in the test order; the rule has read `fed` of them)."""
     config, test = prepared.config, prepared.test
     budget = min(len(test), settings.max_items or len(test))
     log = run.file(TEST_LOG)
@@ -337,23 +339,23 @@ def _test_loop(run, systems, prepared, chosen, builders, settings, progress) -> 
     atomic_write_text(log, "".join(json.dumps(row) + "\n" for row in rows))  # drop a cut line, keep the rest
     rule = SequentialDecision(settings)
     bar = tqdm(total=budget, desc="test items", disable=not progress)
+    fed = 0
 
-    def feed(row: dict) -> None:
-        rule.update(np.array([row["merge"]["right"]]), np.array([row["compose"]["right"]]))
-        merge_right, compose_right, merge_only, compose_only = (int(v) for v in rule.counts[0])
-        bar.set_postfix_str(f"merge {merge_right}, compose {compose_right}, discordant {merge_only}/{compose_only}")
-        bar.update()
+    def feed_logged() -> int:
+        nonlocal fed
+        while fed < min(len(rows), budget) and not rule.done[0]:
+            rule.update(np.array([rows[fed]["merge"]["right"]]), np.array([rows[fed]["compose"]["right"]]))
+            fed += 1
+            merge_right, compose_right, merge_only, compose_only = (int(v) for v in rule.counts[0])
+            bar.set_postfix_str(f"merge {merge_right}, compose {compose_right}, discordant {merge_only}/{compose_only}")
+            bar.update()
+        return fed
 
-    for row in rows[:budget]:
-        if rule.done[0]:
-            break
-        feed(row)
     models: dict[str, object] = {}
     try:
         with open(log, "a", encoding="utf-8") as handle:
-            while not rule.done[0] and int(rule.merge.items[0]) < budget:
-                start = int(rule.merge.items[0])
-                chunk = test[start : min(start + config.batch_size, budget)]
+            while feed_logged() < budget and not rule.done[0]:
+                chunk = test[len(rows) : min(len(rows) + config.batch_size, budget)]
                 prompts = [item.prompt for item in chunk]
                 outputs = {}
                 for kind in ("merge", "compose"):
@@ -364,23 +366,33 @@ def _test_loop(run, systems, prepared, chosen, builders, settings, progress) -> 
                     row = {"prompt": item.prompt, "systems": chosen}
                     for kind in ("merge", "compose"):
                         output = outputs[kind][index]
-                        row[kind] = {
-                            "output": output,
-                            "right": bool(prepared.score(item.prompt, output, item.reference)),
-                        }
+                        row[kind] = {"output": output, "right": scored(prepared, item, output)}
                     handle.write(json.dumps(row) + "\n")
                     handle.flush()
-                    os.fsync(handle.fileno())
-                    if not rule.done[0]:
-                        feed(row)
+                    os.fsync(handle.fileno())  # an item answered is an item kept
+                    rows.append(row)
     finally:
         for model in models.values():
             _close(model)
         bar.close()
-    used = int(rule.merge.items[0])
-    all_rows = read_test_log(log, test, chosen)[:used]
-    rule.finish([[row["merge"]["right"] for row in all_rows]], [[row["compose"]["right"] for row in all_rows]])
+    rule.finish([[row["merge"]["right"] for row in rows[:fed]]], [[row["compose"]["right"] for row in rows[:fed]]])
     return rule.decision(0).to_dict()
+
+
+def scored(prepared: PreparedDecide, item: TaskItem, output: str) -> bool:
+    """The scorer's verdict on one answer; a scorer that fails or answers other than True/False is named."""
+    try:
+        right = prepared.score(item.prompt, output, item.reference)
+    except Exception as error:  # noqa: BLE001 - the user's scorer: any failure is theirs to see, in one line
+        raise ValueError(
+            f"`--scorer` {prepared.config.scorer!r} raised {type(error).__name__}: {error} (prompt {item.prompt!r:.60})"
+        ) from None
+    if not isinstance(right, (bool, np.bool_)):
+        raise ValueError(
+            f"`--scorer` {prepared.config.scorer!r} must return True or False, got {right!r:.40} "
+            f"({type(right).__name__})"
+        )
+    return bool(right)
 
 
 LABEL_TEXT = {

@@ -133,7 +133,7 @@ def test_unequal_sequences_are_refused():
 
 # --- error rates under the null, simulated --------------------------------------------------------------------
 
-RUNS, ITEMS, GRID = 2000, 200, 201
+RUNS, ITEMS, GRID = 2000, 150, 101
 
 
 def simulate(probabilities: dict[str, float], seed: int) -> list[str]:

@@ -137,3 +137,14 @@ def test_exact_and_a_users_scorer(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     user, user_check = load_scorer("my_scorer:score")
     assert user("p", "cba", "abc") and user_check is None
+
+
+def test_a_scorer_that_answers_other_than_a_bool_is_named(folder, tmp_path, monkeypatch, capsys):
+    (tmp_path / "loose_scorer.py").write_text("def score(prompt, output, reference):\n    return 'yes'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["decide", "--base", str(folder / "base"), "--task", str(folder / "task.jsonl"), "--validation", "6"]
+    argv += ["--expert", str(folder / "lora_a"), "--expert", str(folder / "lora_b"), "--grid", str(folder / "grid.yaml")]
+    argv += ["--scorer", "loose_scorer:score", "--max-new-tokens", "2", "--out", str(tmp_path / "run"), "--quiet"]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "`--scorer` 'loose_scorer:score' must return True or False, got 'yes'" in error[0]
