@@ -143,7 +143,8 @@ def test_a_scorer_that_answers_other_than_a_bool_is_named(folder, tmp_path, monk
     (tmp_path / "loose_scorer.py").write_text("def score(prompt, output, reference):\n    return 'yes'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     argv = ["decide", "--base", str(folder / "base"), "--task", str(folder / "task.jsonl"), "--validation", "6"]
-    argv += ["--expert", str(folder / "lora_a"), "--expert", str(folder / "lora_b"), "--grid", str(folder / "grid.yaml")]
+    argv += ["--expert", str(folder / "lora_a"), "--expert", str(folder / "lora_b")]
+    argv += ["--grid", str(folder / "grid.yaml")]
     argv += ["--scorer", "loose_scorer:score", "--max-new-tokens", "2", "--out", str(tmp_path / "run"), "--quiet"]
     assert main(argv) == 2
     error = capsys.readouterr().err.strip().splitlines()
