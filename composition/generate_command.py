@@ -27,7 +27,7 @@ from mergecompose.composition.model import ComposedLM
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core.boundary import read_text_file
 from mergecompose.core.cli_common import add_common_flags, add_composition_arguments, declare_paths, positive_int
-from mergecompose.core.io import atomic_write_text, validation_message
+from mergecompose.core.io import atomic_write_text, jsonl_values, validation_message
 from mergecompose.core.precision import DTYPES
 
 NO_CHAT_TEMPLATE = "the tokenizer of `--base` has no chat template: each prompt is given to the model as it is"
@@ -143,17 +143,11 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
         prompts = [line for line in text.splitlines() if line.strip()]
     else:
         prompts = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"`--prompts` {prompts_file!r} line {number} is not JSON: {error.msg}") from None
+        for number, record in jsonl_values(text, "--prompts", prompts_file):
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
                 raise ValueError(
                     f"`--prompts` {prompts_file!r} line {number} must be an object with a non-empty string "
-                    f"`prompt`, got {line[:80]!r}"
+                    f"`prompt`, got {json.dumps(record)[:80]!r}"
                 )
             prompts.append(record["prompt"])
     if not prompts:

@@ -246,6 +246,20 @@ def read_utf8(path: str | os.PathLike, what: str = "file") -> str:
     return texts[key]
 
 
+def jsonl_values(text: str, argument: str, path: str | os.PathLike) -> list[tuple[int, Any]]:
+    """(line number, value) of every non-blank line of a JSONL file's `text`; a line that is not JSON is a
+    ValueError naming the argument, the file and the line."""
+    values = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            values.append((number, json.loads(line)))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"`{argument}` {str(path)!r} line {number} is not JSON: {error.msg}") from None
+    return values
+
+
 _ONE_READ: ContextVar[dict[tuple[Path, int, int], str] | None] = ContextVar("one_read_per_file", default=None)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mergecompose.core.boundary import read_text_file
+from mergecompose.core.io import jsonl_values
 from mergecompose.studies.skill_pairs.skill_data import SKILLS, SkillItem, joint_items
 from mergecompose.studies.skill_pairs.skill_scoring import score_item
 
@@ -125,17 +126,11 @@ def read_task(path: str | os.PathLike, argument: str, check_reference: Callable[
     """The items of a task file, every line checked (a prompt, a reference its scorer can read)."""
     text = read_text_file(path, argument).removeprefix("\ufeff")
     items = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"`{argument}` {str(path)!r} line {number} is not JSON: {error.msg}") from None
+    for number, record in jsonl_values(text, argument, path):
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
             raise ValueError(
                 f"`{argument}` {str(path)!r} line {number} must be an object with a non-empty string `prompt`, "
-                f"got {line[:80]!r}"
+                f"got {json.dumps(record)[:80]!r}"
             )
         if record.get("reference") is None:
             raise ValueError(
