@@ -204,11 +204,8 @@ def _merge_yaml(parts: Parts) -> str:
 
 def _decide_task(parts: Parts) -> str:
     path = Path(parts.scratch) / "task.jsonl"
-    path.write_text(
-        json.dumps({"prompt": "What is 2 plus 2?", "reference": "4"})
-        + "\n" * 1
-        + "".join(json.dumps({"prompt": f"What is {i} plus 1?", "reference": str(i + 1)}) + "\n" for i in range(50))
-    )
+    lines = [{"prompt": f"What is {i} plus 1?", "reference": str(i + 1)} for i in range(50)]  # 40 validate
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return str(path)
 
 
