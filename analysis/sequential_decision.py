@@ -7,16 +7,17 @@ look after every item: the bounds are anytime-valid, Ville's inequality).
 
 **Confidence sequences** (`BettingConfidenceSequence`): for observations x_1, x_2, … in [0, 1] with mean μ, the
 hedged capital process of Waudby-Smith & Ramdas (2024), "Estimating means of bounded random variables by
-betting", J. R. Stat. Soc. B 86(1), section 4 (the predictable plug-in bets of their eq. (26)). For each candidate
-mean m on a grid,
+betting", J. R. Stat. Soc. B 86(1), with their predictable plug-in bets. For each candidate mean m on a grid,
 
     K⁺_t(m) = Π_{i≤t} (1 + λ⁺_i(m) (x_i − m)),   K⁻_t(m) = Π_{i≤t} (1 − λ⁻_i(m) (x_i − m)),
     K_t(m) = θ K⁺_t(m) + (1 − θ) K⁻_t(m),          θ = 1/2,
     λ̃_i = sqrt(2 log(2/α) / (σ̂²_{i−1} · i · log(1 + i))),   λ⁺_i(m) = min(λ̃_i, c/m),   λ⁻_i(m) = min(λ̃_i, c/(1 − m)),
 
-with μ̂_i = (1/2 + Σ_{j≤i} x_j) / (i + 1), σ̂²_i = (1/4 + Σ_{j≤i} (x_j − μ̂_j)²) / (i + 1) and c = 3/4 (the paper
-suggests c in [1/2, 3/4]; the larger stops sooner on an accuracy near 0 or 1). At the true mean, K is a
-nonnegative martingale started at 1, so P(∃t: K_t(μ) ≥ 1/α) ≤ α; the confidence sequence is
+with μ̂_i = (1/2 + Σ_{j≤i} x_j) / (i + 1), σ̂²_i = (1/4 + Σ_{j≤i} (x_j − μ̂_j)²) / (i + 1) and c = 3/4. Any c < 1
+keeps both capitals positive (the authors' package, confseq, defaults to 1/2; 3/4 stops sooner on an accuracy
+near 0 or 1), and the paper combines K⁺ and K⁻ by their maximum; their average, used here, is itself a
+martingale and never below the maximum. At the true mean, K is a nonnegative martingale started at 1, so
+P(∃t: K_t(μ) ≥ 1/α) ≤ α; the confidence sequence is
 {m : K_t(m) < 1/α}, intersected over time. It holds for i.i.d. items: the test items are a sample of the task,
 and the random order makes the sequence exchangeable whatever order the file has.
 
