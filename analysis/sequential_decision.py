@@ -79,8 +79,8 @@ class BettingConfidenceSequence:
         self.log_minus = np.zeros((batch, grid_points))  # (B, G) log K⁻
         self.log_capital = np.zeros((batch, grid_points))  # (B, G) log K_t
         self.alive = np.ones((batch, grid_points), dtype=bool)  # (B, G) not yet rejected (running intersection)
-        self.lower = np.zeros(batch)
-        self.upper = np.ones(batch)
+        self.lower_index = np.zeros(batch, dtype=np.int64)  # (B,) the bounds as grid indices: decisions compare
+        self.upper_index = np.full(batch, grid_points - 1)  # these integers, never floats at a rounding
 
     def update(self, x: np.ndarray, active: np.ndarray | None = None) -> None:
         x = np.asarray(x, dtype=float)  # (B,)
@@ -112,12 +112,32 @@ class BettingConfidenceSequence:
     def _bounds(self, active: np.ndarray) -> None:
         """The outermost surviving grid points, one step wider; an empty set keeps the bounds it had."""
         some = self.alive.any(axis=1) & active  # (B,)
-        first = np.argmax(self.alive, axis=1)  # (B,) first surviving index
-        last = self.alive.shape[1] - 1 - np.argmax(self.alive[:, ::-1], axis=1)
-        lower = np.clip(self.grid[first] - self.step, 0.0, 1.0)
-        upper = np.clip(self.grid[last] + self.step, 0.0, 1.0)
-        self.lower = np.where(some, np.maximum(self.lower, lower), self.lower)
-        self.upper = np.where(some, np.minimum(self.upper, upper), self.upper)
+        last_point = self.alive.shape[1] - 1
+        first = np.maximum(np.argmax(self.alive, axis=1) - 1, 0)  # (B,) first surviving index, one step lower
+        last = np.minimum(last_point - np.argmax(self.alive[:, ::-1], axis=1) + 1, last_point)
+        self.lower_index = np.where(some, np.maximum(self.lower_index, first), self.lower_index)
+        self.upper_index = np.where(some, np.minimum(self.upper_index, last), self.upper_index)
+
+    @property
+    def lower(self) -> np.ndarray:
+        return self.lower_index / (len(self.grid) - 1)  # (B,)
+
+    @property
+    def upper(self) -> np.ndarray:
+        return self.upper_index / (len(self.grid) - 1)
+
+    def difference_bounds(self, index: int) -> tuple[float, float]:
+        """For a sequence of x = (Δ + 1) / 2: Δ's bounds, (2i − (G − 1)) / (G − 1) at the bounds' indices i."""
+        points = len(self.grid) - 1
+        return (
+            float((2 * self.lower_index[index] - points) / points),
+            float((2 * self.upper_index[index] - points) / points),
+        )
+
+    def index_of(self, value: float) -> float:
+        """`value` on the grid's index scale (a grid point's exact index; rounded at 1e-9 of a step, far below the
+        step, so that 0.1 · 400 is 40 and not 40.000000000000004)."""
+        return round(value / self.step, 9)
 
 
 @dataclass(frozen=True)
@@ -190,17 +210,22 @@ class SequentialDecision:
             self.labels[index] = label or None
 
     def _stops(self) -> np.ndarray:
-        """Each sequence's label if its bounds decide it now, else "" (the order of the module docstring)."""
-        floor, delta = self.settings.floor, self.settings.delta
-        merge_low, merge_high = self.merge.lower, self.merge.upper  # (B,) each
-        compose_low, compose_high = self.compose.lower, self.compose.upper
-        low, high = 2 * self.difference.lower - 1, 2 * self.difference.upper - 1  # Δ's bounds
+        """Each sequence's label if its bounds decide it now, else "" (the order of the module docstring), on the
+        grid's indices: Δ = 0 is the difference grid's middle point, ±δ and the floor their places on it."""
+        merge, compose, difference = self.merge, self.compose, self.difference
+        floor = merge.index_of(self.settings.floor)
+        zero = difference.index_of(0.5)  # x = (Δ + 1) / 2
+        band_low = difference.index_of((1 - self.settings.delta) / 2)
+        band_high = difference.index_of((1 + self.settings.delta) / 2)
+        merge_low, merge_high = merge.lower_index, merge.upper_index  # (B,) each
+        compose_low, compose_high = compose.lower_index, compose.upper_index
+        low, high = difference.lower_index, difference.upper_index
         return np.select(
             [
                 (merge_high < floor) & (compose_high < floor),
-                (low > 0) & (compose_low >= floor),
-                (high < 0) & (merge_low >= floor),
-                (-delta < low) & (high < delta) & (merge_low >= floor) & (compose_low >= floor),
+                (low > zero) & (compose_low >= floor),
+                (high < zero) & (merge_low >= floor),
+                (band_low < low) & (high < band_high) & (merge_low >= floor) & (compose_low >= floor),
             ],
             ["neither", "compose", "merge", "either"],
             default="",
@@ -230,10 +255,7 @@ class SequentialDecision:
             compose_only=compose_only,
             merge_interval=(float(self.merge.lower[index]), float(self.merge.upper[index])),
             compose_interval=(float(self.compose.lower[index]), float(self.compose.upper[index])),
-            difference_interval=(
-                float(2 * self.difference.lower[index] - 1),
-                float(2 * self.difference.upper[index] - 1),
-            ),
+            difference_interval=self.difference.difference_bounds(index),
         )
 
 

@@ -183,3 +183,23 @@ def test_the_confidence_sequence_covers_the_mean_at_every_step():
         missed |= (sequence.lower > 0.3) | (sequence.upper < 0.3)
     print(f"Bernoulli(0.3): the running interval ever missed 0.3 in {missed.mean():.4f} of runs")
     assert missed.mean() <= 0.05
+
+
+def test_the_thresholds_are_grid_points_compared_exactly():
+    """A bound exactly at Δ = 0, at the floor or at ±δ is on the grid: 0 is not above 0 (no float at 2.2e-16
+    decides), 10 % reaches the floor, −δ is not inside (−δ, δ)."""
+    rule = SequentialDecision(DecisionSettings(), batch=1)  # 401 points: Δ = 0 is index 200, the floor 40, δ ±40
+    rule.merge.lower_index[:], rule.merge.upper_index[:] = 0, 400
+    rule.compose.lower_index[:], rule.compose.upper_index[:] = 40, 400
+    rule.difference.lower_index[:], rule.difference.upper_index[:] = 200, 400
+    assert rule._stops()[0] == ""  # Δ ≥ 0 only: not "compose"
+    rule.difference.lower_index[:] = 201
+    assert rule._stops()[0] == "compose"  # Δ > 0, and the composition's 10 % reaches the floor
+    rule.compose.lower_index[:] = 39
+    assert rule._stops()[0] == ""
+    rule.merge.lower_index[:], rule.compose.lower_index[:] = 40, 40
+    rule.difference.lower_index[:], rule.difference.upper_index[:] = 180, 219  # Δ in [−0.1, 0.095]
+    assert rule._stops()[0] == ""
+    rule.difference.lower_index[:] = 181
+    assert rule._stops()[0] == "either"
+    assert rule.difference.difference_bounds(0) == (-0.095, 0.095)
