@@ -128,7 +128,6 @@ def test_a_rule_file_with_the_score_round_trips_and_an_old_one_loads(tmp_path):
     del old["real_settings"]  # a file written before the field existed
     path.write_text(json.dumps(old))
     assert load_rule(path).real_settings is None
-    assert load_rule().real_settings is None  # the shipped rule has no score yet
 
 
 def test_an_inconsistent_score_in_a_rule_file_is_refused(tmp_path):

@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 
 from mergecompose.analysis.paired_outcome import paired_outcome
+from mergecompose.analysis.predict import load_rule
+from mergecompose.analysis.real_settings_score import score_on_real_settings
 from mergecompose.cli import main
 from mergecompose.studies.predict.records import (
+    RECORDS_FILE,
     RECORDS_VERSION,
     SettingsRecords,
     export_records,
@@ -20,6 +23,7 @@ from mergecompose.studies.predict.records import (
     relabel_counts,
     write_records,
 )
+from mergecompose.studies.predict.records_command import real_settings_of
 
 MERGES = ["merge:task_arithmetic@lam=1", "merge:ties@lam=1,density=0.5"]
 COMPOSITIONS = ["compose@1", "compose+gate"]
@@ -321,3 +325,14 @@ def test_the_command_refuses_bad_folders_and_outputs_in_one_line(sweeps, tmp_pat
     assert json.loads(Path(predict_json).read_text())["name"] == "predict"  # the input is unchanged
     assert main(["export-records", "--out", out]) == 2
     assert "give at least one" in one_error_line(capsys)
+
+
+def test_the_shipped_rule_s_figures_are_the_committed_records_scored():
+    """`analysis/predict_rule.json`'s `real_settings` is what `score-rule` computes from the committed records file."""
+    records = load_records(Path(__file__).resolve().parents[2] / RECORDS_FILE)
+    shipped = load_rule()
+    assert shipped.real_settings is not None
+    unscored = shipped.model_copy(update={"real_settings": None})
+    expected = score_on_real_settings(unscored, real_settings_of(records), shipped.real_settings.source)
+    assert shipped.real_settings == expected
+    assert expected.n == sum(setting.source == "real" for setting in records.settings)
