@@ -246,9 +246,9 @@ def read_utf8(path: str | os.PathLike, what: str = "file") -> str:
     return texts[key]
 
 
-def jsonl_values(text: str, argument: str, path: str | os.PathLike) -> list[tuple[int, Any]]:
+def jsonl_values(text: str, argument: str, name: str | os.PathLike) -> list[tuple[int, Any]]:
     """(line number, value) of every non-blank line of a JSONL file's `text`; a line that is not JSON is a
-    ValueError naming the argument, the file and the line."""
+    ValueError naming the argument, the file (`name`: it reads none) and the line."""
     values = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -256,7 +256,7 @@ def jsonl_values(text: str, argument: str, path: str | os.PathLike) -> list[tupl
         try:
             values.append((number, json.loads(line)))
         except json.JSONDecodeError as error:
-            raise ValueError(f"`{argument}` {str(path)!r} line {number} is not JSON: {error.msg}") from None
+            raise ValueError(f"`{argument}` {str(name)!r} line {number} is not JSON: {error.msg}") from None
     return values
 
 

@@ -4,10 +4,11 @@ mergecompose.studies.skill_pairs.skill_data     the skills' items by split (disj
 mergecompose.studies.skill_pairs.skill_scoring  strict and lenient scores, per part and joint
 mergecompose.studies.skill_pairs.skill_experts  the cached one-skill experts and their bar
 mergecompose.studies.skill_pairs.setting_run    one setting: its systems, the choices on validation, the label
-mergecompose.studies.skill_pairs.real_sweep     `mergecompose real-sweep`: every stage, resumable
+mergecompose.studies.skill_pairs.real_sweep     `mergecompose real-sweep`: every stage, resumable (the experts and the
+                                                sweep need the real-model and lm-eval extras: import them from their
+                                                modules; this package's surface, the data and scorers, needs neither)
 """
 
-from mergecompose.studies.skill_pairs.real_sweep import RealSweepConfig, preflight_real_sweep, run_real_sweep
 from mergecompose.studies.skill_pairs.skill_data import (
     CONTENT_SKILLS,
     FORMAT_SKILLS,
@@ -16,7 +17,6 @@ from mergecompose.studies.skill_pairs.skill_data import (
     joint_items,
     skill_items,
 )
-from mergecompose.studies.skill_pairs.skill_experts import SkillRecipe, check_expert_bar, expert_bar
 from mergecompose.studies.skill_pairs.skill_scoring import ItemScore, score_item
 
 __all__ = [
@@ -24,14 +24,8 @@ __all__ = [
     "FORMAT_SKILLS",
     "SKILLS",
     "ItemScore",
-    "RealSweepConfig",
     "SkillItem",
-    "SkillRecipe",
-    "check_expert_bar",
-    "expert_bar",
     "joint_items",
-    "preflight_real_sweep",
-    "run_real_sweep",
     "score_item",
     "skill_items",
 ]

@@ -180,7 +180,7 @@ def test_the_paper_s_claims_from_hand_made_settings():
     claims = paper_claims(settings)
     # Above both experts: 0.9 > 0.0, 0.5 > 0.2, 0.8 > 0.3; not 0.6 < 0.7 (margin -10 points).
     assert claims["compose_beats_experts"] == {"settings": 3, "of": 4, "least_margin_points": -10.0}
-    assert claims["labels"] == {"merge": 0, "compose": 2, "either": 2}
+    assert claims["labels"] == {"merge": 0, "compose": 2, "either": 2, "neither": 0}
     kl = claims["merge_compose_kl"]
     # |gaps| 0, 0.5, 0.05, 0.6 (ranks 1, 3, 2, 4) against KL 0.1, 0.9, 0.2, 0.5 (ranks 1, 4, 2, 3):
     # ρ = 1 − 6 Σ d² / (n (n² − 1)) = 1 − 6 · 2 / 60 = 0.8.

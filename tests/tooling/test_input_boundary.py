@@ -367,6 +367,7 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "cli:decide-replay": "reads a records file (load_records: read_utf8), the JSON export-records writes; a corrupt "
     "one is refused in tests/studies/test_records.py",
     "cli:joint-task": "writes a task file from the skill-pairs data generator; it reads no file",
+    "mergecompose.core.io.jsonl_values": "parses text its caller read through the boundary; `name` only names it",
     "mergecompose.analysis.OverlapReport": _IN_MEMORY,
     "mergecompose.analysis.rollout_batches": _COMPONENT,
     "mergecompose.composition.TerminationRule": _COMPONENT,
