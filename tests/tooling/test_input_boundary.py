@@ -425,7 +425,6 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "mergecompose.studies.chat_training.expert_key": "hashes a base folder's file names, sizes and times; reads "
     "no contents",
     "mergecompose.studies.chat_training.whole_folder": "reads the manifest of a folder this code wrote",
-    "mergecompose.studies.skill_pairs.check_expert_bar": "its `base` is the base's scores, not a path",
 }
 
 # Entry points whose user files are all read by another entry point that has a recipe.
