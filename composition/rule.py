@@ -22,6 +22,11 @@ import torch
 # way: `clamp(log p_base, min=-1e4)`.
 LOGPROB_FLOOR = -1e4
 
+# The largest |w_i| accepted. Past a few units a weight already makes the composition near-deterministic; a weight
+# of 1e38 overflows float32 in `w_i · ℓ_i` and ends in NaN. With |w| ≤ 100 and log-probs clamped at the floor,
+# every term stays below 1e6 · k, far from float32's range, so the bound is a check on the input, not on precision.
+MAX_ABS_WEIGHT = 100.0
+
 # k exponents: a float per expert, or a tensor (k,) or (k, ...) broadcastable to the leading dims of `base`.
 Weights = Sequence[float] | torch.Tensor | None
 
@@ -140,6 +145,12 @@ def _check_inputs(
     if weight_tensor is not None and not torch.isfinite(weight_tensor).all():
         where = tuple((~torch.isfinite(weight_tensor)).nonzero()[0].tolist())
         raise ValueError(f"`weights` must be finite, got {weight_tensor[where].item()} at index {where}")
+    if weight_tensor is not None and (weight_tensor.abs() > MAX_ABS_WEIGHT).any():
+        where = tuple((weight_tensor.abs() > MAX_ABS_WEIGHT).nonzero()[0].tolist())
+        raise ValueError(
+            f"`weights` must lie in [-{MAX_ABS_WEIGHT:g}, {MAX_ABS_WEIGHT:g}], got {weight_tensor[where].item()} at "
+            f"index {where}"
+        )
     return weight_tensor
 
 
@@ -157,6 +168,10 @@ def check_weights(weights: object, num_experts: int) -> list[float] | None:
             raise TypeError(f"`weights[{index}]` must be a number, got {weight!r}") from None
         if not math.isfinite(value):
             raise ValueError(f"`weights[{index}]` must be a finite number, got {value}")
+        if abs(value) > MAX_ABS_WEIGHT:
+            raise ValueError(
+                f"`weights[{index}]` must lie in [-{MAX_ABS_WEIGHT:g}, {MAX_ABS_WEIGHT:g}] (MAX_ABS_WEIGHT), got {value:g}"
+            )
         values.append(value)
     if len(values) != num_experts:
         raise ValueError(f"`weights` must hold one weight per expert ({num_experts}), got {len(values)}")
