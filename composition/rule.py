@@ -170,7 +170,8 @@ def check_weights(weights: object, num_experts: int) -> list[float] | None:
             raise ValueError(f"`weights[{index}]` must be a finite number, got {value}")
         if abs(value) > MAX_ABS_WEIGHT:
             raise ValueError(
-                f"`weights[{index}]` must lie in [-{MAX_ABS_WEIGHT:g}, {MAX_ABS_WEIGHT:g}] (MAX_ABS_WEIGHT), got {value:g}"
+                f"`weights[{index}]` must lie in [-{MAX_ABS_WEIGHT:g}, {MAX_ABS_WEIGHT:g}] (the documented bound), "
+                f"got {value:g}"
             )
         values.append(value)
     if len(values) != num_experts:
