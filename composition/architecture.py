@@ -35,7 +35,11 @@ def check_vocabularies(
 
 def context_length(model: torch.nn.Module) -> int | None:
     """The number of positions the model was built for (`max_position_embeddings` or a synonym), or None."""
-    config = getattr(model, "config", None)
+    return config_context_length(getattr(model, "config", None))
+
+
+def config_context_length(config: object) -> int | None:
+    """The number of positions a model's config says it was built for (`context_length` before it loads)."""
     for name in _CONTEXT_FIELDS:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:

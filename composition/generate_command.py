@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,12 +20,15 @@ from typing import Any
 import torch
 import yaml
 from pydantic import ValidationError
-from transformers import PreTrainedTokenizerBase, TextStreamer
+from transformers import AutoConfig, PreTrainedTokenizerBase, TextStreamer
 
+from mergecompose.composition.architecture import config_context_length
 from mergecompose.composition.decoding_config import DecodingConfig
 from mergecompose.composition.loading import PretrainedSources, check_pretrained_sources
 from mergecompose.composition.model import ComposedLM
 from mergecompose.composition.remedies import RemedySettings
+from mergecompose.composition.rule import MAX_ABS_WEIGHT
+from mergecompose.composition.sampling import NAN_COMPOSITION
 from mergecompose.core.boundary import read_text_file
 from mergecompose.core.cli_common import add_common_flags, add_composition_arguments, declare_paths, positive_int
 from mergecompose.core.io import atomic_write_text, jsonl_values, validation_message
@@ -49,7 +53,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     command.add_argument(
         "--prompts",
         metavar="FILE",
-        help="a prompts file: one prompt per line, or, for a .jsonl file, one JSON object per line with a `prompt`",
+        help="a prompts file: one prompt per line (blank lines are skipped); a .jsonl file: one JSON object per line "
+        "with a non-blank `prompt`; a .json file: a JSON list of such objects or of prompts",
     )
     add_composition_arguments(command, "the base model: a folder or a hub id")
     command.add_argument(
@@ -75,9 +80,20 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--stop", action="append", dest="stop_strings", metavar="TEXT", help="a stop string (repeat for each)"
     )
     command.add_argument(
-        "--out", metavar="FILE", help="also write JSONL: one line per prompt with its text and the settings"
+        "--out",
+        metavar="FILE",
+        help="also write JSONL: a line per prompt (its text and the settings), appended as each prompt finishes; "
+        "missing folders above it are created",
     )
-    command.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    keep = command.add_mutually_exclusive_group()
+    keep.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out file (once the first answer is finished)"
+    )
+    keep.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on from an existing --out: the prompts it answers (same prompts, same settings) are skipped",
+    )
     add_common_flags(command, check=True)
     declare_paths(
         command,
@@ -86,7 +102,16 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         output_files=("out",),
         not_paths=("names", "prompt", "remedy"),
     )
-    command.set_defaults(func=run_generate, preflight=preflight_generate)
+    command.set_defaults(func=run_generate, preflight=preflight_generate, interrupted=_interrupted)
+
+
+def _interrupted(args: argparse.Namespace) -> str:
+    if args.out is None:
+        return "interrupted (Ctrl-C)"
+    return (
+        f"interrupted (Ctrl-C); every finished answer is in {args.out}: add --resume to the same command to go on "
+        "from them"
+    )
 
 
 @dataclass(frozen=True)
@@ -98,6 +123,9 @@ class GenerateRun:
     remedy: RemedySettings | None
     sources: PretrainedSources
     chat_template: bool
+    prompt_ids: list[torch.Tensor]  # (1, T) each
+    settings: dict[str, Any]  # what each line of --out records
+    answers: AnswersFile | None  # --out
 
 
 def preflight_generate(args: argparse.Namespace) -> GenerateRun:
@@ -113,7 +141,7 @@ def preflight_generate(args: argparse.Namespace) -> GenerateRun:
         seed=args.seed,
         stop_strings=args.stop_strings,
     )
-    check_out_file(args.out, args.overwrite)
+    check_out_file(args.out, args.overwrite, args.resume)
     sources = check_pretrained_sources(
         args.base, args.experts, args.weights, args.names, "stacked", {"dtype": DTYPES[args.dtype]}
     )
@@ -124,7 +152,31 @@ def preflight_generate(args: argparse.Namespace) -> GenerateRun:
     chat_template = not args.no_chat_template and bool(getattr(sources.tokenizer, "chat_template", None))
     if not args.no_chat_template and not chat_template:
         warnings.warn(NO_CHAT_TEMPLATE, UserWarning, stacklevel=2)
-    return GenerateRun(prompts, decoding, remedy, sources, chat_template)
+    ids = [prompt_ids(sources.tokenizer, prompt, chat_template) for prompt in prompts]
+    check_context_fits(ids, args.max_new_tokens, sources.base)
+    settings = _settings(args, sources.names, remedy, chat_template, decoding)
+    answers = None if args.out is None else AnswersFile.open(args.out, prompts, settings, resume=args.resume)
+    return GenerateRun(prompts, decoding, remedy, sources, chat_template, ids, settings, answers)
+
+
+def check_context_fits(ids: list[torch.Tensor], max_new_tokens: int, base: str) -> None:
+    """Refuse, before a weight loads, a prompt that with `--max-new-tokens` needs more positions than the base's
+    context (its config's `max_position_embeddings`), at any size of `--max-new-tokens`."""
+    context = config_context_length(AutoConfig.from_pretrained(base))
+    if context is None:
+        return
+    if max_new_tokens >= context:
+        raise ValueError(
+            f"`--max-new-tokens` {max_new_tokens} is beyond the context of `--base` ({context} positions, its "
+            "`max_position_embeddings`), which must hold the prompt too"
+        )
+    for index, prompt in enumerate(ids):
+        if prompt.shape[1] + max_new_tokens > context:
+            raise ValueError(
+                f"prompt {index + 1} ({prompt.shape[1]} tokens) plus `--max-new-tokens` {max_new_tokens} needs "
+                f"{prompt.shape[1] + max_new_tokens} positions, beyond the context of `--base` ({context} positions, "
+                "its `max_position_embeddings`): shorten the prompt or lower --max-new-tokens"
+            )
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
@@ -139,20 +191,62 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
         return [prompt]
     assert prompts_file is not None
     text = read_text_file(prompts_file, "--prompts")
-    if Path(prompts_file).suffix.lower() != ".jsonl":
-        prompts = [line for line in text.splitlines() if line.strip()]
+    suffix = Path(prompts_file).suffix.lower()
+    if suffix == ".jsonl":
+        records = jsonl_values(text, "--prompts", prompts_file)
+        prompts = [_prompt(record, prompts_file, f"line {number}") for number, record in records]
+    elif suffix == ".json":
+        prompts = _json_prompts(text, prompts_file)
     else:
-        prompts = []
-        for number, record in jsonl_values(text, "--prompts", prompts_file):
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) or not record["prompt"]:
-                raise ValueError(
-                    f"`--prompts` {prompts_file!r} line {number} must be an object with a non-empty string "
-                    f"`prompt`, got {json.dumps(record)[:80]!r}"
-                )
-            prompts.append(record["prompt"])
+        prompts = [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"`--prompts` {prompts_file!r} holds no prompt")
     return prompts
+
+
+def _json_prompts(text: str, prompts_file: str) -> list[str]:
+    """The prompts of a .json file: a list of prompts, or of objects with a `prompt`."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        lines = [line for line in text.splitlines() if line.strip()]
+        if len(lines) > 1 and all(_is_json(line) for line in lines):
+            raise ValueError(
+                f"`--prompts` {prompts_file!r} holds one JSON value per line (JSON lines), not one JSON value: "
+                "name it .jsonl"
+            ) from None
+        raise ValueError(f"`--prompts` {prompts_file!r} is not JSON: {error.msg} (line {error.lineno})") from None
+    if not isinstance(data, list):
+        raise ValueError(
+            f"`--prompts` {prompts_file!r} must hold a JSON list of prompts or of objects with a `prompt`, got "
+            f"{_quoted(data)}"
+        )
+    return [_prompt(item, prompts_file, f"item {index}", strings=True) for index, item in enumerate(data)]
+
+
+def _prompt(record: object, prompts_file: str, where: str, strings: bool = False) -> str:
+    """The prompt of one record of a .jsonl or .json file: an object's `prompt` (or, `strings`, a string itself);
+    never blank."""
+    prompt = record.get("prompt") if isinstance(record, dict) else record if strings else None
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(
+            f"`--prompts` {prompts_file!r} {where} must be an object with a non-blank string `prompt`"
+            f"{' or a non-blank string' if strings else ''}, got {_quoted(record)}"
+        )
+    return prompt
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _quoted(value: object, limit: int = 80) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def parse_remedy(text: str | None) -> RemedySettings | None:
@@ -174,11 +268,98 @@ def parse_remedy(text: str | None) -> RemedySettings | None:
         raise ValueError(f"`--remedy` {text!r}: {validation_message(error)}") from None
 
 
-def check_out_file(out: str | None, overwrite: bool) -> None:
-    """An existing `--out` file is replaced only with `--overwrite` (where it may be written: the command line's
-    `check_declared_paths`)."""
-    if out is not None and Path(out).expanduser().exists() and not overwrite:
-        raise FileExistsError(f"`--out` {out!r} exists; pass --overwrite to replace it")
+def check_out_file(out: str | None, overwrite: bool, resume: bool = False) -> None:
+    """An existing `--out` file is replaced only with `--overwrite`, or gone on from with `--resume` (where it may be
+    written: the command line's `check_declared_paths`)."""
+    if out is None:
+        if resume:
+            raise ValueError("`--resume` goes on from the answers in `--out`; give --out FILE")
+        return
+    if Path(out).expanduser().exists() and not (overwrite or resume):
+        raise FileExistsError(
+            f"`--out` {out!r} exists; pass --resume to go on from its answers, or --overwrite to replace it"
+        )
+
+
+class AnswersFile:
+    """`--out`: one JSON line per prompt, `{"prompt", "text", "settings"}`, appended as each prompt finishes.
+
+    Each line is written whole (one write, flushed and synced), so that an interrupted or killed run keeps every
+    finished answer. The first line replaces an existing file atomically (`--overwrite`: the old answers stay until
+    a new one is finished); with `--resume`, the lines already there must answer the first prompts with the same
+    settings, and a last line cut by a kill is dropped."""
+
+    def __init__(self, path: Path, answered: int, keep_bytes: int | None):
+        self.path = path
+        self.answered = answered  # prompts answered in the file already
+        self._keep_bytes = keep_bytes  # --resume: the whole lines' length, where a cut line follows them
+        self._replace = answered == 0  # the first line replaces whatever is there
+
+    @classmethod
+    def open(cls, out: str, prompts: list[str], settings: dict[str, Any], resume: bool) -> AnswersFile:
+        """Check an existing file against the run (with `resume`); nothing is written here."""
+        path = Path(out).expanduser()
+        if not (resume and path.exists()):
+            return cls(path, 0, None)
+        data = path.read_bytes()
+        whole = data[: data.rfind(b"\n") + 1]
+        answered = 0
+        for number, line in enumerate(whole.decode("utf-8", errors="replace").splitlines(), 1):
+            record = _answer(line, out, number)
+            if number > len(prompts) or record["prompt"] != prompts[number - 1]:
+                raise ValueError(
+                    f"`--out` {out!r} line {number} answers {_quoted(record['prompt'])}, not prompt {number} of this "
+                    f"run{'' if number > len(prompts) else ' ' + _quoted(prompts[number - 1])}: --resume needs the "
+                    "same prompts in the same order (or pass --overwrite)"
+                )
+            if record["settings"] != settings:
+                key = next(
+                    k for k in sorted({*record["settings"], *settings}) if record["settings"].get(k) != settings.get(k)
+                )
+                raise ValueError(
+                    f"`--out` {out!r} line {number} was generated with {key}={_quoted(record['settings'].get(key))}, "
+                    f"this run has {key}={_quoted(settings.get(key))}: --resume needs the same settings (or pass "
+                    "--overwrite)"
+                )
+            answered = number
+        if len(whole) < len(data):
+            warnings.warn(
+                f"`--out` {out!r}: its last line was cut (a killed run); it is dropped and that prompt generated again",
+                UserWarning,
+                stacklevel=2,
+            )
+        return cls(path, answered, len(whole) if len(whole) < len(data) else None)
+
+    def append(self, record: dict[str, Any]) -> None:
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        if self._replace:
+            atomic_write_text(self.path, line)
+            self._replace = False
+            return
+        with open(self.path, "r+b") as file:
+            if self._keep_bytes is not None:
+                file.truncate(self._keep_bytes)
+                self._keep_bytes = None
+            file.seek(0, os.SEEK_END)
+            file.write(line.encode("utf-8"))
+            file.flush()
+            os.fsync(file.fileno())
+
+
+def _answer(line: str, out: str, number: int) -> dict[str, Any]:
+    """One whole line of an existing `--out`, checked to be what `generate` writes."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        record = None
+    if not (
+        isinstance(record, dict) and isinstance(record.get("prompt"), str) and isinstance(record.get("settings"), dict)
+    ):
+        raise ValueError(
+            f"`--out` {out!r} line {number} is not an answer `generate` wrote (a JSON object with `prompt`, `text` "
+            f"and `settings`), got {_quoted(line)}: --resume goes on from a file generate wrote (or pass --overwrite)"
+        )
+    return record
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template: bool) -> torch.Tensor:
@@ -195,24 +376,41 @@ def run_generate(args: argparse.Namespace) -> int:
     run: GenerateRun = args.prepared
     tokenizer = run.sources.tokenizer
     assert tokenizer is not None  # the pre-flight refused a base without one
+    done = 0 if run.answers is None else run.answers.answered
+    if done == len(run.prompts):
+        if not args.quiet:
+            print(f"{args.out} answers every prompt ({done}) already: nothing to generate")
+        return 0
+    if done and not args.quiet:
+        print(f"resuming: {done} of {len(run.prompts)} prompts are answered in {args.out}", flush=True)
     remedies = [] if run.remedy is None else run.remedy.build(_eos_id(tokenizer))  # the pre-flight checked the id
     composed = ComposedLM.from_checked_sources(run.sources, args.experts, args.weights, remedies)
-    settings = _settings(args, run)
-    records = []
     with composed:
-        for index, prompt in enumerate(run.prompts):
+        for index in range(done, len(run.prompts)):
             if len(run.prompts) > 1 and not args.quiet:
                 print(f"--- prompt {index + 1} of {len(run.prompts)}", flush=True)
-            ids = prompt_ids(tokenizer, prompt, run.chat_template)
+            ids = run.prompt_ids[index]
             streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-            output = composed.generate(ids, config=run.decoding, tokenizer=tokenizer, streamer=streamer)
+            output = _generate(composed, ids, run, streamer)
             text = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
-            records.append({"prompt": prompt, "text": text, "settings": settings})
-    if args.out is not None:
-        atomic_write_text(args.out, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
-        if not args.quiet:
-            print(f"wrote {args.out}: {len(records)} line(s)")
+            if run.answers is not None:
+                run.answers.append({"prompt": run.prompts[index], "text": text, "settings": run.settings})
+    if args.out is not None and not args.quiet:
+        print(f"wrote {args.out}: {len(run.prompts)} line(s)")
     return 0
+
+
+def _generate(composed: ComposedLM, ids: torch.Tensor, run: GenerateRun, streamer: TextStreamer) -> torch.Tensor:
+    """One prompt's output; a NaN step names the weights, which the user may have set too far."""
+    try:
+        return composed.generate(ids, config=run.decoding, tokenizer=run.sources.tokenizer, streamer=streamer)
+    except ValueError as error:
+        if str(error) != NAN_COMPOSITION:
+            raise
+        raise ValueError(
+            f"{NAN_COMPOSITION}; `--weights` were {run.settings['weights']} (allowed: |w| <= {MAX_ABS_WEIGHT:g}; "
+            "smaller weights, or --dtype float32, keep the sums finite)"
+        ) from None
 
 
 def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -221,17 +419,24 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return int(tokenizer.eos_token_id)
 
 
-def _settings(args: argparse.Namespace, run: GenerateRun) -> dict[str, Any]:
-    decoding = {key: value for key, value in asdict(run.decoding).items() if key in _DECODING_KEYS}
-    return {
+def _settings(
+    args: argparse.Namespace,
+    names: list[str],
+    remedy: RemedySettings | None,
+    chat_template: bool,
+    decoding_config: DecodingConfig,
+) -> dict[str, Any]:
+    decoding = {key: value for key, value in asdict(decoding_config).items() if key in _DECODING_KEYS}
+    settings = {
         "base": args.base,
-        "experts": dict(zip(run.sources.names, args.experts)),
+        "experts": dict(zip(names, args.experts)),
         "weights": args.weights or [1.0] * len(args.experts),
-        "remedy": None if run.remedy is None else run.remedy.model_dump(exclude_defaults=True),
-        "chat_template": run.chat_template,
+        "remedy": None if remedy is None else remedy.model_dump(exclude_defaults=True),
+        "chat_template": chat_template,
         "dtype": args.dtype,
         **decoding,
     }
+    return json.loads(json.dumps(settings))  # as a line of --out reads back (lists, not tuples), for --resume
 
 
 _DECODING_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_strings")

@@ -55,10 +55,13 @@ def prepare_prompt(
         # The warning names the frame of torch's `no_grad` wrapper around `generate`, four up.
         ids, mask, positions = truncate_prompt(ids, mask, max_new_tokens, context, stacklevel=4)
     check_left_padded(mask)
+    what = f"the prompt ({ids.shape[1]} tokens a row) plus `max_new_tokens`={max_new_tokens}"
+    if generated_position_ids is None and context is not None and ids.shape[1] > 0:
+        # Refused before the positions of the tokens to generate are allocated, at any size of `max_new_tokens`.
+        check_context(positions[:, -1:] + max_new_tokens, what, context)
     prompt = Prompt(
         ids, mask, positions, generated_positions(positions, generated_position_ids, max_new_tokens, device)
     )
-    what = f"the prompt ({ids.shape[1]} tokens a row) plus `max_new_tokens`={max_new_tokens}"
     check_context(prompt.positions, what, context)
     return prompt
 

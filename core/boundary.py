@@ -206,7 +206,8 @@ def check_text_file(path: str | os.PathLike[str], argument: str) -> Path:
 
 
 def read_text_file(path: str | os.PathLike[str], argument: str) -> str:
-    """The text of `path`, opened once (a config is read once), with `check_text_file`'s checks and errors."""
+    """The text of `path`, opened once (a config is read once), with `check_text_file`'s checks and errors; a leading
+    byte-order mark is dropped."""
     file = _regular_file(path, argument, _TEXT_FILE)
     try:
         data = file.read_bytes()
@@ -215,9 +216,10 @@ def read_text_file(path: str | os.PathLike[str], argument: str) -> str:
     if not data:
         raise InputFileError(argument, file, "is empty", _TEXT_FILE)
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise _not_utf8(argument, file, data, error, 1) from None
+    return text.removeprefix("\ufeff")  # a byte-order mark (editors on Windows write one) is not text
 
 
 def _not_utf8(argument: str, file: Path, data: bytes, error: UnicodeDecodeError, lines: int) -> InputFileError:

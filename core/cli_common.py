@@ -14,6 +14,8 @@ import argparse
 import contextlib
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,24 +108,76 @@ def command_settings(threads: int | None, quiet: bool) -> Iterator[None]:
             transformers_logging.enable_progress_bar()
 
 
+INTERRUPTED = (
+    "interrupted (Ctrl-C); every output is written whole or not at all, so nothing half-written was left; run the "
+    "command again to redo the work"
+)
+
+
+def interrupted_cells(args: argparse.Namespace) -> str:
+    """What a command that keeps each finished cell in its run folder says when interrupted."""
+    return (
+        f"interrupted (Ctrl-C); every finished cell is kept in {args.out}, and the same command resumes from them "
+        "(cells in flight were stopped)"
+    )
+
+
+@contextlib.contextmanager
+def interrupts_once() -> Iterator[None]:
+    """Within: the first Ctrl-C (SIGINT) raises KeyboardInterrupt, so that the command unwinds, keeps what it
+    finished and says so; from then on SIGINT has its default action, so a second Ctrl-C kills at once (an unwinding
+    that hangs, e.g. on a cluster that does not answer, is never in the way). The previous handler is restored on
+    exit. Outside the main thread (where no handler can be set) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+
+    def first_interrupt(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, first_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def check_output_location(out: str | os.PathLike | None, flag: str = "--out") -> None:
-    """Refuse, before any work, an output path that cannot be written: one that is an existing file,
-    or whose nearest existing parent is a file or a folder this user may not write into."""
+    """Refuse, before any work, an output path that cannot be written: one that is an existing file or something
+    other than a folder, or whose nearest existing parent is a file or a folder this user may not write into.
+
+    The one rule for every command's outputs: missing folders above an output are created (by `core.io`'s atomic
+    writers), where the nearest existing one may be written into."""
     if out is None:
         return
     path = Path(out).expanduser()
     if path.is_file():
         raise FileExistsError(f"`{flag}` {str(out)!r} is a file; give a folder")
+    _refuse_special_file(path, out, flag)
     _check_writable_parent(path if path.is_dir() else path.parent, out, flag)
 
 
 def check_output_file_location(out: str | os.PathLike, flag: str = "--out") -> None:
-    """Refuse, before any work, an output file that cannot be written: a folder, or a path whose nearest existing
-    parent is a file or a folder this user may not write into."""
+    """Refuse, before any work, an output file that cannot be written: a folder, a named pipe, a device or a socket,
+    or a path whose nearest existing parent is a file or a folder this user may not write into (missing folders
+    above it are created, as for `check_output_location`)."""
     path = Path(out).expanduser()
     if path.is_dir():
         raise IsADirectoryError(f"`{flag}` {str(out)!r} is a folder; give a file")
+    _refuse_special_file(path, out, flag)
     _check_writable_parent(path.parent, out, flag)
+
+
+def _refuse_special_file(path: Path, out: str | os.PathLike, flag: str) -> None:
+    """Refuse an output path that exists as something other than a regular file or a folder (a named pipe, a device,
+    a socket): an output is written beside it and renamed over it, which would replace it with a file."""
+    if path.exists() and not path.is_file() and not path.is_dir():
+        raise FileExistsError(
+            f"`{flag}` {str(out)!r} is not a regular file (a named pipe, a device or a socket); give a file or folder "
+            "path (missing folders above it are created)"
+        )
 
 
 def _check_writable_parent(parent: Path, out: str | os.PathLike, flag: str) -> None:

@@ -109,9 +109,11 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object], suffi
     """Call `write(temporary_path)` on a temporary file beside `path`, then rename it over `path`.
 
     `suffix` keeps the file type visible to writers that look at it (matplotlib's `savefig`).
-    A killed writer's temporary file is removed by the next write of `path` (`remove_leftovers`).
+    A killed writer's temporary file is removed by the next write of `path` (`remove_leftovers`). Missing folders
+    above `path` are created, as `atomic_output_dir` creates those above a folder.
     """
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(path.parent, path.name)
     temporary = _temporary_path(path, "tmp", suffix)
     os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the mode the user's umask allows

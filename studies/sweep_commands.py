@@ -7,7 +7,7 @@ from __future__ import annotations
 from transformers.utils import logging as transformers_logging
 
 from mergecompose.analysis.overlap_report import format_number
-from mergecompose.core.cli_common import add_common_flags, check_free_disk, declare_paths
+from mergecompose.core.cli_common import add_common_flags, check_free_disk, declare_paths, interrupted_cells
 from mergecompose.core.io import load_yaml_config, markdown_table
 from mergecompose.experiments.compare import synthetic_checkpoint_bytes
 from mergecompose.experiments.executors import add_executor_flags, executor_from_flags
@@ -86,7 +86,9 @@ def add_commands(subparsers) -> None:
     )
     add_executor_flags(predict)
     declare_paths(predict, configs=("config",), not_paths=("executor", "ray_address"))
-    predict.set_defaults(func=run_predict_sweep_command, preflight=preflight_predict_sweep_command)
+    predict.set_defaults(
+        func=run_predict_sweep_command, preflight=preflight_predict_sweep_command, interrupted=interrupted_cells
+    )
 
     verdict = subparsers.add_parser(
         "fit-verdict",

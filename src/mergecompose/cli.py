@@ -13,7 +13,7 @@ import yaml
 from pydantic import ValidationError
 from safetensors import SafetensorError
 
-from mergecompose.core.cli_common import check_declared_paths, command_settings
+from mergecompose.core.cli_common import INTERRUPTED, check_declared_paths, command_settings, interrupts_once
 from mergecompose.core.executor import CellsFailed
 from mergecompose.core.io import one_read_per_file, validation_message
 
@@ -88,7 +88,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed command: its declared outputs checked against its inputs, then its pre-flight, before anything
-    is written or loaded; with `--check`, nothing more. An expected error is one line and exit status 2."""
+    is written or loaded; with `--check`, nothing more. An expected error is one line and exit status 2; an
+    interrupt (Ctrl-C) is one line and exit status 130, and a second Ctrl-C kills at once (`interrupts_once`)."""
+    with interrupts_once():
+        try:
+            return _run_reported(args)
+        except KeyboardInterrupt:
+            if args.debug:
+                raise
+            # A command that keeps its finished work says where and how to go on: `set_defaults(interrupted=...)`,
+            # a text or a function of the arguments.
+            said = getattr(args, "interrupted", INTERRUPTED)
+            print(f"mergecompose {args.command}: {said(args) if callable(said) else said}", file=sys.stderr)
+            return 130
+
+
+def _run_reported(args: argparse.Namespace) -> int:
+    """`run_command` but for interrupts: expected errors are one line and exit status 2, failed cells exit 1."""
     try:
         # A config is opened once, though the path check, the pre-flight and the command all read it.
         with one_read_per_file():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import yaml
@@ -80,7 +79,14 @@ def add_commands(subparsers) -> None:
         configs=("grid",),
         not_paths=("names", "scorer"),
     )
-    decide.set_defaults(func=run_decide_command, preflight=preflight_decide_command)
+    decide.set_defaults(
+        func=run_decide_command,
+        preflight=preflight_decide_command,
+        interrupted=lambda args: (
+            f"interrupted (Ctrl-C); every item scored so far is kept in {args.out}, and the "
+            "same command resumes from it"
+        ),
+    )
 
     joint = subparsers.add_parser(
         "joint-task",
@@ -162,15 +168,7 @@ def preflight_decide_command(args: argparse.Namespace) -> PreparedDecide:
 
 
 def run_decide_command(args: argparse.Namespace) -> int:
-    try:
-        results = run_decide(args.prepared, args.out, overwrite=args.overwrite, progress=not args.quiet)
-    except KeyboardInterrupt:
-        print(
-            f"mergecompose decide: interrupted; every item scored so far is kept in {args.out}, and the same command "
-            "resumes from it",
-            file=sys.stderr,
-        )
-        return 130
+    results = run_decide(args.prepared, args.out, overwrite=args.overwrite, progress=not args.quiet)
     decision = results["decision"]
     n = decision["items"]
     print(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers.utils import logging as transformers_logging
 
-from mergecompose.core.cli_common import add_common_flags, declare_paths
+from mergecompose.core.cli_common import add_common_flags, declare_paths, interrupted_cells
 from mergecompose.core.io import load_yaml_config
 from mergecompose.experiments.executors import add_executor_flags, executor_from_flags
 from mergecompose.studies.skill_pairs.real_sweep import (
@@ -32,7 +32,9 @@ def add_commands(subparsers) -> None:
     )
     add_executor_flags(real)
     declare_paths(real, configs=("config",), not_paths=("executor", "ray_address"))
-    real.set_defaults(func=run_real_sweep_command, preflight=preflight_real_sweep_command)
+    real.set_defaults(
+        func=run_real_sweep_command, preflight=preflight_real_sweep_command, interrupted=interrupted_cells
+    )
 
 
 def preflight_real_sweep_command(args) -> RealSweepConfig:

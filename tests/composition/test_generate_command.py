@@ -53,7 +53,7 @@ def test_generate_gives_the_text_of_composed_generate_streamed_and_as_jsonl(
     assert record["settings"]["max_new_tokens"] == 16 and record["settings"]["do_sample"] is False
     # --out is replaced only with --overwrite, and nothing is loaded before that is known.
     assert main(argv) == 2
-    assert "pass --overwrite" in capsys.readouterr().err
+    assert "pass --resume to go on from its answers, or --overwrite to replace it" in capsys.readouterr().err
 
 
 def test_a_prompts_file_and_a_base_without_a_chat_template(smollm2_dir, smollm2_adapters, tmp_path, capsys):

@@ -59,7 +59,7 @@ CASES = [
         "generate-jsonl-without-a-prompt",
         "clear",
         _prompts_file("other.jsonl", '{"text": "a"}\n'),
-        r"line 1 must be an object with a non-empty string `prompt`",
+        r"line 1 must be an object with a non-blank string `prompt`",
     ),
     Case("generate-no-prompt", "clear", _generate(prompt=None), r"give a prompt or `--prompts FILE`"),
     Case(
