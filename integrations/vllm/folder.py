@@ -11,10 +11,10 @@ A small folder, no copy of any checkpoint:
 * `composition.safetensors`: the weights as one tensor. vLLM refuses a folder without weight files; the
   components' own weights are read from their folders (`mergecompose.integrations.vllm.composite_model`).
 
-Everything a user can get wrong is checked here, before vLLM starts and before anything is written: a
-missing path, a folder that is neither a checkpoint nor an adapter, experts whose config or tokenizer differ
-from the base's, an adapter made for another base or of a kind the vLLM model does not run (DoRA, LoRA on
-embeddings). Then every weight file of the base and the experts is read, one tensor at a time: a file that
+Everything a user can get wrong is checked here, before vLLM starts and before anything is written: an expert
+name a request could not give (`choice.expert_name_problem`), a missing path, a folder that is neither a
+checkpoint nor an adapter, experts whose config or tokenizer differ from the base's, an adapter made for another
+base or of a kind the vLLM model does not run (DoRA, LoRA on embeddings). Then every weight file of the base and the experts is read, one tensor at a time: a file that
 is truncated or not safetensors, a tensor holding NaN or inf, or a full expert's tensor whose name or shape
 is not the base's is refused, naming the component and the tensor.
 This module does not import vLLM: the folder is built in any environment with mergecompose.
@@ -39,6 +39,7 @@ from mergecompose.composition.rule import check_weights
 from mergecompose.core.adapters import check_adapter_fits, read_adapter
 from mergecompose.core.boundary import InputFileError, check_adapter, check_safetensors_file
 from mergecompose.core.io import atomic_output_dir, refuse_output_over_inputs
+from mergecompose.integrations.vllm.choice import expert_name_problem, quote
 from mergecompose.integrations.vllm.plugin import ARCHITECTURE
 from mergecompose.merging.state_dicts import check_finite
 
@@ -89,7 +90,8 @@ def build_vllm_model(
         base: a local model folder with safetensors weights and a tokenizer.
         experts: local folders, each a full checkpoint of the base's architecture or a LoRA adapter of it.
         weights: one exponent `w_i` per expert (default 1.0 each, the paper's rule).
-        names: one name per expert (default: the folder names).
+        names: one name per expert (default: the folder names), the name a request gives in `vllm_xargs`'s
+            `experts`: a non-empty string without a comma or leading or trailing space.
 
     Returns the folder, ready for `vllm.LLM(model=out_dir)` or `vllm serve out_dir` in an environment
     with vLLM and mergecompose. Raises ValueError or OSError naming the argument, the value and what is
@@ -151,15 +153,31 @@ def build_vllm_model(
 
 
 def _expert_names(experts: Sequence, names: Sequence[str] | None) -> list[str]:
+    """One name per expert, each a name a request can give in `experts` (`choice.expert_name_problem`): the
+    `names` given, or the folders' names (suffixed with their index where two are the same)."""
     if names is None:
         names = [Path(os.fspath(expert)).name or f"expert_{index}" for index, expert in enumerate(experts)]
         if len(set(names)) != len(names):
             names = [f"{name}_{index}" for index, name in enumerate(names)]
+        for index, name in enumerate(names):
+            problem = expert_name_problem(name)
+            if problem:
+                raise ValueError(
+                    f"`experts[{index}]`'s folder name {quote(name)} {problem}, so a request could not name it: "
+                    "give the experts names with `names` (`--names` on the command line)"
+                )
     names = list(names)
-    if len(names) != len(experts) or not all(isinstance(name, str) and name for name in names):
-        raise ValueError(f"`names` must hold one non-empty name per expert ({len(experts)}), got {names!r}")
+    if len(names) != len(experts):
+        raise ValueError(f"`names` must hold one name per expert ({len(experts)}), got {quote(names)}")
+    for index, name in enumerate(names):
+        problem = expert_name_problem(name)
+        if problem:
+            raise ValueError(
+                f"`names[{index}]` {quote(name)} {problem}: an expert's name is what a request gives in `experts`, "
+                "a non-empty string without a comma or leading or trailing space"
+            )
     if len(set(names)) != len(names):
-        raise ValueError(f"`names` must be unique, got {names!r}")
+        raise ValueError(f"`names` must be unique, got {quote(names)}")
     return names
 
 

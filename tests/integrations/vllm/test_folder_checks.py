@@ -116,3 +116,40 @@ def test_clean_components_still_build(parts, tmp_path):
     out = build_vllm_model(tmp_path / "out", parts / "base", [parts / "full", parts / "lora"])
     assert (out / "config.json").is_file()
     assert torch.isfinite(load_file(str(parts / "full" / "model.safetensors"))[TENSOR]).all()
+
+
+@pytest.mark.parametrize(
+    ("names", "message"),
+    [
+        (["math,code"], r"`names\[0\]` 'math,code' holds a comma"),
+        ([" math"], r"`names\[0\]` ' math' has leading or trailing space"),
+        (["math "], r"`names\[0\]` 'math ' has leading or trailing space"),
+        ([""], r"`names\[0\]` '' is empty or blank"),
+        (["   "], r"`names\[0\]` '   ' is empty or blank"),
+        ([3], r"`names\[0\]` 3 is a int, not a string"),
+    ],
+)
+def test_a_name_a_request_could_not_give_is_refused_before_anything_is_written(parts, tmp_path, names, message):
+    """`experts: "a,b"` splits at the comma and strips each name: a folder whose names a request cannot give would
+    refuse its own experts once served."""
+    with pytest.raises(ValueError, match=rf"^{message}.*: an expert's name is what a request gives in `experts`"):
+        build_vllm_model(tmp_path / "out", parts / "base", [parts / "full"], names=names)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("folder_name", ["math,code", " math", "math "])
+def test_a_folder_name_a_request_could_not_give_asks_for_names(parts, tmp_path, folder_name):
+    expert = shutil.copytree(parts / "full", tmp_path / folder_name)
+    with pytest.raises(ValueError, match=r"^`experts\[0\]`'s folder name .* so a request could not name it: give"):
+        build_vllm_model(tmp_path / "out", parts / "base", [expert])
+    assert not (tmp_path / "out").exists()
+    out = build_vllm_model(tmp_path / "out", parts / "base", [expert], names=["math"])  # the hint works
+    assert (out / "config.json").is_file()
+
+
+def test_the_command_refuses_a_bad_name_in_one_line(parts, tmp_path, capsys):
+    argv = ["vllm-model", "--base", str(parts / "base"), "--expert", str(parts / "full"), "--names", "a,b"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mergecompose vllm-model: error: `names[0]` 'a,b' holds a comma") and "\n" not in err
+    assert not (tmp_path / "out").exists()
