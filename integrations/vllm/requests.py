@@ -15,6 +15,15 @@ no flag, and other models served beside mergecompose get no processor. The same 
 names (`plugin.SERVED_EXPERTS`) for `validate_params`, which vLLM runs in the server's process before a request is
 admitted (a ValueError there is an HTTP 400).
 
+What `validate_params` sees is not always what the request sent. The OpenAI server first validates the JSON body
+with its request model, `vllm_xargs: dict[str, str | int | float | list[str | int | float]]`
+(`vllm/entrypoints/openai/completion/protocol.py`, and the chat and responses protocols): pydantic converts a JSON
+`true`/`false` to 1/0 there (in a list too), so a boolean weight reaches the parser as a number; and it refuses
+`null`, an object or a nested list before any processor runs, with vLLM's own multi-line "N validation errors"
+400 (`serve/exception_handling/handlers/validation.py`). Then `SamplingParams.__post_init__` refuses an integer
+outside [-2**63, 2**64) in `extra_args` ("extra_args integers must be between ...", one line). What passes
+reaches `parse_expert_choice` unchanged (`to_sampling_params` hands `vllm_xargs` over as `extra_args`).
+
 vLLM's V2 model runner (its default where Triton is installed, e.g. on GPUs) gives a processor the batch's order
 only in `apply`, after `compute_logits` (`vllm/v1/worker/gpu/sample/logits_processor/interface.py`,
 `LogitsContext`): there a request that names experts is refused with one line (`ExpertChoiceV2`), and the folder's
@@ -30,7 +39,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from vllm.v1.worker.gpu.sample.logits_processor.interface import LogitsProcessor as LogitsProcessorV2
 
-from mergecompose.integrations.vllm.choice import EXPERTS_KEY, WEIGHTS_KEY, parse_expert_choice
+from mergecompose.integrations.vllm.choice import EXPERTS_KEY, WEIGHTS_KEY, check_keys, parse_expert_choice
 from mergecompose.integrations.vllm.plugin import SERVED_EXPERTS
 
 if TYPE_CHECKING:
@@ -91,6 +100,9 @@ class ExpertChoice(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams):
+        """Parse the request's choice (`choice.parse_expert_choice`) in the server's process, before admission: vLLM
+        turns the one-line ValueError into `VLLMValidationError`, an HTTP 400. It sees `extra_args` as vLLM's request
+        model left them (see the module's docstring): JSON booleans already 0/1, nested values already refused."""
         parse_expert_choice(sampling_params.extra_args, SERVED_EXPERTS, prompt_logprobs=sampling_params.prompt_logprobs)
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool):
@@ -120,6 +132,7 @@ class ExpertChoiceV2(LogitsProcessorV2):
     @classmethod
     def validate_params(cls, sampling_params: SamplingParams) -> None:
         extra_args = sampling_params.extra_args or {}
+        check_keys(extra_args)  # a misspelt key is refused here too, not served with the folder's weights
         if EXPERTS_KEY in extra_args or WEIGHTS_KEY in extra_args:
             raise ValueError(
                 f"per-request `{EXPERTS_KEY}` and `{WEIGHTS_KEY}` need vLLM's V1 model runner: start the server with "

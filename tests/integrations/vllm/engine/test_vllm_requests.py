@@ -86,9 +86,13 @@ def test_prompt_logprobs_use_the_folder_weights_beside_requests_that_choose(engi
         ({"experts": "lora_a,lora_b", "weights": "1.0"}, "holds 1 weights for the 2 experts"),
         ({"experts": "lora_a", "weights": "nan"}, "each weight must be a finite number"),
         ({"experts": "lora_a", "weights": "inf"}, "each weight must be a finite number"),
-        ({"experts": "lora_a", "weights": "heavy"}, "which is not a number"),
+        ({"experts": "lora_a", "weights": "heavy"}, "`weights` 'heavy' is not a number"),
         ({"weights": "1.0"}, "without `experts`"),
         ({"experts": "lora_a,lora_a"}, "more than once"),
+        ({"expert": "lora_a"}, "`vllm_xargs` key 'expert' is a near miss of `experts`"),
+        ({"experts": "lora_a", "weights": "1_0"}, "`weights` '1_0' is not a number"),
+        ({"experts": "lora_a", "weights": True}, "`weights` True is a boolean"),  # a bool kept: no request model
+        ({"experts": "lora_a", "weights": 101}, r"`weights` 101 is beyond the bound \|w\| <= 100"),
     ],
 )
 def test_a_bad_choice_is_refused_before_it_runs(engine, extra_args, message):

@@ -148,7 +148,9 @@ def test_three_requests_three_choices_one_server(server, component_folders):
         ({"experts": "lora_a,lora_b", "weights": "1"}, "holds 1 weights for the 2 experts"),
         ({"experts": "lora_a", "weights": "nan"}, "each weight must be a finite number"),
         ({"experts": "lora_a", "weights": "inf"}, "each weight must be a finite number"),
-        ({"experts": "lora_a", "weights": "much"}, "which is not a number"),
+        ({"experts": "lora_a", "weights": "much"}, "`weights` 'much' is not a number"),
+        ({"Experts": "lora_a"}, "`vllm_xargs` key 'Experts' is a near miss of `experts`"),
+        ({"experts": "lora_a", "weights": "1_0"}, "`weights` '1_0' is not a number"),
     ],
 )
 def test_a_bad_choice_gets_a_400_and_the_server_goes_on(server, xargs, message):
@@ -163,3 +165,26 @@ def test_a_bad_choice_gets_a_400_and_the_server_goes_on(server, xargs, message):
         model=model, prompt="ab", max_tokens=2, temperature=0.0, extra_body={"vllm_xargs": {"experts": "lora_b"}}
     )
     assert good.choices[0].finish_reason in ("length", "stop")
+
+
+def test_what_reaches_our_check_through_the_server(server):
+    """A long value is quoted cut short in our one line; a nested value is refused by vLLM's request model first
+    (`vllm_xargs: dict[str, str | int | float | list[str | int | float]]`), with its own multi-line message; a JSON
+    boolean reaches our check as 1 (the request model's conversion), so it is served as weight 1."""
+    base_url, model = server
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+
+    def refusal(xargs) -> str:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=model, prompt="ab", max_tokens=2, extra_body={"vllm_xargs": xargs})
+        assert refused.value.status_code == 400
+        return refused.value.body["message"] if isinstance(refused.value.body, dict) else str(refused.value)
+
+    long = refusal({"experts": "lora_a", "weights": [0.5] * 20_000})
+    assert long.startswith("`weights` [0.5, 0.5") and "…" in long and len(long) < 400 and "\n" not in long
+    nested = refusal({"experts": {"lora_a": 1}})
+    assert "vllm_xargs.experts" in nested and "validation errors" in nested  # vLLM's, before any processor
+    served = client.completions.create(
+        model=model, prompt="ab", max_tokens=2, extra_body={"vllm_xargs": {"experts": "lora_a", "weights": True}}
+    )
+    assert served.choices[0].finish_reason in ("length", "stop")
