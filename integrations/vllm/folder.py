@@ -11,12 +11,12 @@ A small folder, no copy of any checkpoint:
 * `composition.safetensors`: the weights as one tensor. vLLM refuses a folder without weight files; the
   components' own weights are read from their folders (`mergecompose.integrations.vllm.composite_model`).
 
-Everything a user can get wrong is checked here, before vLLM starts and before anything is written: an expert
-name a request could not give (`choice.expert_name_problem`), a missing path, a folder that is neither a
-checkpoint nor an adapter, experts whose config or tokenizer differ from the base's, an adapter made for another
-base or of a kind the vLLM model does not run (DoRA, LoRA on embeddings). Then every weight file of the base and the experts is read, one tensor at a time: a file that
-is truncated or not safetensors, a tensor holding NaN or inf, or a full expert's tensor whose name or shape
-is not the base's is refused, naming the component and the tensor.
+Everything a user can get wrong is checked here, before vLLM starts and before anything is written: an expert name a
+request could not give (`choice.expert_name_problem`), a missing path, a folder that is neither a checkpoint nor an
+adapter, experts whose config or tokenizer differ from the base's, an adapter made for another base or of a kind the
+vLLM model does not run (DoRA, LoRA on embeddings). Then every weight file of the base and the experts is read, one
+tensor at a time: a file that is truncated or not safetensors, a tensor holding NaN or inf, or a full expert's
+tensor whose name or shape is not the base's is refused, naming the component and the tensor.
 This module does not import vLLM: the folder is built in any environment with mergecompose.
 """
 
