@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import torch
 import yaml
@@ -133,7 +134,7 @@ def interrupts_once() -> Iterator[None]:
         return
     previous = signal.getsignal(signal.SIGINT)
 
-    def first_interrupt(signum, frame):
+    def first_interrupt(signum: int, frame: FrameType | None) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         raise KeyboardInterrupt
 
