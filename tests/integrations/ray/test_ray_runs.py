@@ -1,5 +1,7 @@
 """`--executor ray`: a scaled predict sweep run as Ray tasks on a local Ray instance of 2 CPUs gives the local run's
-results; a worker killed in the middle of a cell, a cell that raises, a second driver, and the bad inputs."""
+results; a worker killed in the middle of a cell, a cell that raises, a second driver, and Ray without its extra.
+(The local Ray instance and the config: conftest.py. What is refused before any work, and Ctrl-C:
+test_ray_refusals.py.)"""
 
 from __future__ import annotations
 
@@ -27,50 +29,7 @@ ray = pytest.importorskip("ray")
 # workers of two threads each on two cores spin against each other.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-ROOT = Path(__file__).resolve().parents[3]
-SMALL = {
-    "name": "small",
-    "test_size": 16,
-    "validation_size": 8,
-    "diagnostic_prompts": 8,
-    "bootstrap": 200,
-    "batch_size": 64,
-    "merges": {"task_arithmetic": {"lam": [0.5, 1.0]}},
-    "families": {
-        "letters": {
-            "compare": str(ROOT / "configs/letters.yaml"),
-            "overrides": {
-                "task": {"train_lengths": [1, 8]},
-                "positions": {"max_position": 32},
-                "evaluation": {"lengths": [8]},
-                "model": {"hidden_size": 32, "max_position_embeddings": 32},
-                "training": {
-                    "base": {"steps": 100, "batch_size": 32, "lr": 0.005},
-                    "experts": {"full": {"steps": 40, "batch_size": 32, "lr": 0.003}},
-                },
-            },
-            "letter_skills": {"ab": {"A": "B"}, "cd": {"C": "D"}, "ac": {"A": "C"}},
-            "settings": [{"name": "ab_cd", "pair": ["ab", "cd"]}, {"name": "ab_ac", "pair": ["ab", "ac"]}],
-        },
-    },
-}
 TIMINGS = {"seconds", "setting_seconds", "cells"}
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """A local Ray instance of 2 CPUs for the module."""
-    executor = RayExecutor(num_cpus=2)
-    executor.start()
-    yield executor
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def config_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("predict_config") / "predict.yaml"
-    path.write_text(yaml.safe_dump(SMALL))
-    return path
 
 
 def _sweep(config_file: Path, out: Path, executor) -> dict:
