@@ -129,6 +129,11 @@ def _temporary_path(target: Path, kind: str, suffix: str = "") -> Path:
     return target.parent / f".{target.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}"
 
 
+def is_leftover_name(name: str) -> bool:
+    """Whether `name` is that of an atomic write's temporary (`.NAME.tmp-PID-HEX`, `.NAME.old-PID-HEX`)."""
+    return _LEFTOVER.match(name) is not None
+
+
 def remove_leftovers(folder: str | os.PathLike, name: str | None = None) -> list[Path]:
     """Remove the temporaries of atomic writes in `folder` whose writer is no longer running; return them.
 

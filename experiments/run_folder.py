@@ -30,7 +30,7 @@ import yaml
 from pydantic import BaseModel
 
 from mergecompose.analysis.overlap_report import json_safe
-from mergecompose.core.io import atomic_write_text, remove_leftovers
+from mergecompose.core.io import atomic_write_text, is_leftover_name, remove_leftovers
 from mergecompose.core.locks import RUN_LOCK_NAME, run_folder_lock
 
 # How the results folder is named in errors: the API's argument and the command line's flag.
@@ -61,6 +61,9 @@ class FolderLayout:
     leftovers: tuple[str, ...] = ("checkpoints",)
     own_entries_only: bool = True
     other_config: str = _OTHER_CONFIG
+    # The entries this kind writes, where it writes few files into a folder and replaces none of the others: a folder
+    # holding anything else is another command's, refused even with overwrite (which would mix the two).
+    owns: tuple[str, ...] = ()
 
 
 class Stopwatch:
@@ -118,6 +121,8 @@ class RunFolder:
             return
         if not self.path.is_dir():
             raise ValueError(f"`out_dir` {str(self.path)!r} exists and is not a folder")
+        if self.layout.owns:
+            self._refuse_foreign_entries()
         results = self.path / self.layout.results
         if results.is_file():
             if not overwrite:
@@ -134,6 +139,18 @@ class RunFolder:
                     f"{self.path} exists and is not {self.layout.kind} (it holds {others[:5]}); "
                     "pass overwrite=True (--overwrite) or choose another folder"
                 )
+
+    def _refuse_foreign_entries(self) -> None:
+        """Refuse a folder holding entries this kind does not write (`owns`), but killed runs' temporaries."""
+        kept = {*self.layout.owns, *self.layout.cached, RUN_LOCK_NAME}
+        others = sorted(
+            path.name for path in self.path.iterdir() if path.name not in kept and not is_leftover_name(path.name)
+        )
+        if others:
+            raise FileExistsError(
+                f"{self.path} holds what another command wrote ({', '.join(others[:5])}), not {self.layout.kind}; "
+                "choose a new folder (--overwrite replaces only this command's own files)"
+            )
 
     # ------------------------------------------------------------------------------ timing
 

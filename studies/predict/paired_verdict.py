@@ -238,6 +238,15 @@ def fit_verdict(settings: Sequence[LabelledSetting]) -> dict:
 
 def load_settings(predict_dirs: Sequence[str | os.PathLike], real_dirs: Sequence[str | os.PathLike]) -> list:
     """The labelled settings of predict-sweep folders (predict.json) and real-sweep folders (results.json)."""
+    seen: dict[Path, str] = {}
+    for option, folders in (("--predict", predict_dirs), ("--real", real_dirs)):
+        for folder in folders:
+            where = Path(folder).expanduser().resolve()
+            if where in seen:
+                raise ValueError(
+                    f"`{option}` {str(folder)!r} is the folder {seen[where]} gives already; give each sweep once"
+                )
+            seen[where] = f"`{option}` {str(folder)!r}"
     settings: list[LabelledSetting] = []
     for folder in predict_dirs:
         settings += synthetic_settings(_read_json(folder, "predict.json", "--predict"))

@@ -22,7 +22,12 @@ from mergecompose.studies.predict.paired_verdict import (
 )
 
 GAP_PLOT = "diagnostics_vs_gap.png"
-VERDICT_FOLDER = FolderLayout("a fit-verdict folder", results="verdict.json")
+VERDICT_FOLDER = FolderLayout(
+    "a fit-verdict folder",
+    results="verdict.json",
+    cached=(),
+    owns=("verdict.json", "paired_rule.json", GAP_PLOT, "verdict.md"),
+)
 _COLOURS = {"merge": "tab:blue", "compose": "tab:red", "either": "tab:gray"}
 _MARKERS = {"synthetic": "o", "real": "^"}
 
@@ -34,10 +39,11 @@ def run_fit_verdict(
     overwrite: bool = False,
 ) -> dict:
     """Read the sweeps' folders, fit and score the rule without leaks, write the outputs; returns verdict.json."""
-    settings = load_settings(predict_dirs, real_dirs)
     sources = {"predict": [str(p) for p in predict_dirs], "real": [str(p) for p in real_dirs]}
-    results = {"config_hash": fingerprint(sources), "sources": sources, **fit_verdict(settings)}
     run = RunFolder(out_dir, VERDICT_FOLDER)
+    run.check(fingerprint(sources), overwrite)  # the output first: refused before the sweeps are read
+    settings = load_settings(predict_dirs, real_dirs)
+    results = {"config_hash": fingerprint(sources), "sources": sources, **fit_verdict(settings)}
     with run.claim(results["config_hash"], overwrite):
         run.write_json("verdict.json", results, finite=True)
         run.write_json("paired_rule.json", results["rule"], finite=True)

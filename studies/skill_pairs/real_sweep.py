@@ -40,7 +40,7 @@ from mergecompose.core.executor import (
     run_cells,
 )
 from mergecompose.core.io import StrictModel, atomic_write_text, markdown_table
-from mergecompose.experiments.compare_config import MergeGrid, fingerprint
+from mergecompose.experiments.compare_config import MergeGrid, check_some_merge_grids, fingerprint
 from mergecompose.experiments.run_folder import FolderLayout, RunFolder
 from mergecompose.integrations.gguf.fetch import MODELS, fetch_model
 from mergecompose.studies.math_code.chat_data import chat_format, end_of_turn_id, generation_inputs
@@ -107,6 +107,22 @@ class RealSweepConfig(StrictModel):
             raise ValueError("`settings` must not repeat a pair")
         return settings
 
+    @field_validator("recipe")
+    @classmethod
+    def _recipe_fields(cls, recipe: dict) -> dict:
+        """The recipe's keys are `SkillRecipe`'s fields but `skill`, which each expert sets itself."""
+        fields = sorted(set(SkillRecipe.model_fields) - {"skill"})
+        for key in recipe:
+            if not isinstance(key, str) or key not in fields:
+                why = "is set for each expert by the sweep" if key == "skill" else "is not a recipe field"
+                raise ValueError(f"`recipe` key {key!r} {why}; the recipe's keys are {', '.join(fields)}")
+        return recipe
+
+    @field_validator("merges")
+    @classmethod
+    def _known_methods(cls, merges: dict[str, MergeGrid]) -> dict[str, MergeGrid]:
+        return check_some_merge_grids(merges)  # an unknown method or a bad grid point is refused at --check
+
     @model_validator(mode="after")
     def _recipe_and_grids(self) -> RealSweepConfig:
         for skill in self.skills:
@@ -134,6 +150,16 @@ def preflight_real_sweep(config: RealSweepConfig) -> None:
     checked at the loading boundary); the config checked itself."""
     if config.base not in MODELS:
         check_checkpoint(config.base, "base")
+        check_chat_format(config.base)
+
+
+def check_chat_format(base: str) -> None:
+    """The base's tokenizer has a chat format the skills' data can be written in (`chat_format`); the error names
+    `base`."""
+    try:
+        chat_format(AutoTokenizer.from_pretrained(base))
+    except ValueError as error:
+        raise ValueError(f"`base` {base!r}: {error}") from None
 
 
 def run_real_sweep(
@@ -157,7 +183,7 @@ def run_real_sweep(
     with run.claim(config_hash, overwrite):
         with run.stage("base"):
             base = base_folder(config.base)
-            chat_format(AutoTokenizer.from_pretrained(base))  # a chat format the data can be written in, or one line
+            check_chat_format(base)  # a registry model's, once it is fetched
         root = str(run.path)
         train, score = config.resources.train.resources(), config.resources.cell.resources()
         with run.stage("experts"):

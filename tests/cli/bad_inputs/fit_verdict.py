@@ -26,6 +26,28 @@ def _corrupt(env):
     return Cli(["fit-verdict", "--real", str(folder), "--out", str(env.tmp / "out")], inputs=[folder])
 
 
+def _finished_sweep(env, name: str = "sweep"):
+    folder = env.tmp / name
+    folder.mkdir()
+    (folder / "predict.json").write_text(json.dumps({"settings": []}))
+    return folder
+
+
+def _a_sweep_twice(env):
+    folder = _finished_sweep(env)
+    argv = ["fit-verdict", "--predict", str(folder), "--predict", f"{folder}/", "--out", str(env.tmp / "out")]
+    return Cli(argv, inputs=[folder])
+
+
+def _into_another_commands_folder(env, overwrite: bool):
+    folder = _finished_sweep(env)
+    other = env.tmp / "real_sweep_run"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "results.json").write_text("{}")
+    argv = ["fit-verdict", "--predict", str(folder), "--out", str(other), *(["--overwrite"] if overwrite else [])]
+    return Cli(argv, inputs=[folder, other])
+
+
 def _nothing(env):
     return Cli(["fit-verdict", "--out", str(env.tmp / "out")])
 
@@ -54,5 +76,23 @@ CASES = [
         "clear",
         _nothing,
         r"no settings: give at least one --predict or --real folder",
+    ),
+    Case(
+        "fit-verdict-a-sweep-given-twice",
+        "misleading",
+        _a_sweep_twice,
+        r"`--predict` '.*sweep/' is the folder `--predict` '.*sweep' gives already; give each sweep once",
+    ),
+    Case(
+        "fit-verdict-out-into-another-commands-folder",
+        "silent",
+        lambda env: _into_another_commands_folder(env, overwrite=False),
+        r"real_sweep_run holds what another command wrote \(checkpoints, results.json\), not a fit-verdict folder",
+    ),
+    Case(
+        "fit-verdict-out-into-another-commands-folder-with-overwrite",
+        "silent",
+        lambda env: _into_another_commands_folder(env, overwrite=True),
+        r"real_sweep_run holds what another command wrote",
     ),
 ]

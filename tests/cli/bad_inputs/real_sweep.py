@@ -25,6 +25,24 @@ def _config(**changes):
 
 CASES = [
     Case(
+        "real-sweep-a-recipe-that-sets-the-skill",
+        "traceback",
+        _config(recipe={"skill": "units"}),
+        r"`recipe` key 'skill' is set for each expert by the sweep; the recipe's keys are ",
+    ),
+    Case(
+        "real-sweep-a-recipe-key-that-is-not-text",
+        "traceback",
+        _config(recipe={1: 10}),
+        r"`recipe` key 1 is not a recipe field",
+    ),
+    Case(
+        "real-sweep-an-unknown-merge-method",
+        "silent",
+        _config(merges={"tie": {"lam": [1.0]}}),
+        r"unknown merge methods \['tie'\]; valid: ",
+    ),
+    Case(
         "real-sweep-a-part-without-a-scorer",
         "clear",
         _config(settings=[["units", "french"]]),
@@ -46,7 +64,7 @@ CASES = [
         "real-sweep-a-recipe-field-that-does-not-exist",
         "clear",
         _config(recipe={"stepz": 10}),
-        r"stepz.*extra",
+        r"`recipe` key 'stepz' is not a recipe field; the recipe's keys are ",
     ),
     Case(
         "real-sweep-a-grid-of-four-points",
