@@ -123,6 +123,14 @@ def interrupted_cells(args: argparse.Namespace) -> str:
     )
 
 
+def interrupted_run_folder(args: argparse.Namespace) -> str:
+    """What a command that caches its trained models and finished steps in its run folder says when interrupted."""
+    return (
+        f"interrupted (Ctrl-C); what finished (trained checkpoints, finished steps) is kept in {args.out}, and the "
+        "same command goes on from it"
+    )
+
+
 @contextlib.contextmanager
 def interrupts_once() -> Iterator[None]:
     """Within: the first Ctrl-C (SIGINT) raises KeyboardInterrupt, so that the command unwinds, keeps what it

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from transformers.utils import logging as transformers_logging
 
-from mergecompose.core.cli_common import add_common_flags, declare_paths
+from mergecompose.core.cli_common import add_common_flags, declare_paths, interrupted_run_folder
 from mergecompose.experiments.compare import preflight_compare, run_compare
 from mergecompose.experiments.compare_config import load_config
 from mergecompose.experiments.executors import add_executor_flags, executor_from_flags
@@ -28,7 +28,9 @@ def add_commands(subparsers) -> None:
     )
     add_executor_flags(compare)
     declare_paths(compare, configs=("config",), not_paths=("executor", "ray_address"))
-    compare.set_defaults(func=run_compare_command, preflight=preflight_compare_command)
+    compare.set_defaults(
+        func=run_compare_command, preflight=preflight_compare_command, interrupted=interrupted_run_folder
+    )
 
 
 def preflight_compare_command(args):

@@ -7,7 +7,13 @@ from __future__ import annotations
 from transformers.utils import logging as transformers_logging
 
 from mergecompose.analysis.overlap_report import format_number
-from mergecompose.core.cli_common import add_common_flags, check_free_disk, declare_paths, interrupted_cells
+from mergecompose.core.cli_common import (
+    add_common_flags,
+    check_free_disk,
+    declare_paths,
+    interrupted_cells,
+    interrupted_run_folder,
+)
 from mergecompose.core.io import load_yaml_config, markdown_table
 from mergecompose.experiments.compare import synthetic_checkpoint_bytes
 from mergecompose.experiments.executors import add_executor_flags, executor_from_flags
@@ -43,7 +49,9 @@ def add_commands(subparsers) -> None:
         check=True,
     )
     declare_paths(skills, configs=("configs",), caches=("checkpoints",))
-    skills.set_defaults(func=run_skills_sweep_command, preflight=preflight_skills_sweep_command)
+    skills.set_defaults(
+        func=run_skills_sweep_command, preflight=preflight_skills_sweep_command, interrupted=interrupted_run_folder
+    )
 
     sweep = subparsers.add_parser(
         "overlap-sweep",
@@ -63,7 +71,9 @@ def add_commands(subparsers) -> None:
         check=True,
     )
     declare_paths(sweep, configs=("config",))
-    sweep.set_defaults(func=run_overlap_sweep_command, preflight=preflight_overlap_sweep_command)
+    sweep.set_defaults(
+        func=run_overlap_sweep_command, preflight=preflight_overlap_sweep_command, interrupted=interrupted_run_folder
+    )
 
     predict = subparsers.add_parser(
         "predict-sweep",

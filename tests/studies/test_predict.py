@@ -7,6 +7,10 @@ import dataclasses
 import json
 import math
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +37,7 @@ from mergecompose.composition.rule import compose_logprobs
 from mergecompose.experiments.trained_models import prepare_components
 from mergecompose.studies.predict import PredictConfig
 from mergecompose.studies.predict.predict_config import SettingSpec
-from mergecompose.studies.predict.predict_sweep import measure_setting
+from mergecompose.studies.predict.predict_sweep import CACHED, measure_setting
 from mergecompose.studies.predict.stats import (
     correlation_with_interval,
     fit_threshold,
@@ -313,6 +317,39 @@ def test_predict_sweep_resumes_from_the_settings_it_has_measured(small_sweep, ca
     capsys.readouterr()
     assert main(["predict-sweep", str(other_path), "--out", str(out)]) == 2
     assert "another config" in capsys.readouterr().err
+
+
+def test_ctrl_c_keeps_the_finished_settings_and_the_same_command_goes_on(small_sweep, tmp_path):
+    """A real SIGINT to `mergecompose predict-sweep` once a setting has finished: one line, exit status 130, the
+    finished settings kept whole, and the same command goes on from them to the uninterrupted run's results."""
+    config_path, measured, results = small_sweep
+    out = tmp_path / "out"
+    for name in CACHED:  # a run that has measured the letter settings and not the others
+        shutil.copytree(measured / name, out / name)
+    for name in ("k2", "k3_noisy"):
+        (out / "settings" / f"{name}.json").unlink()
+    argv = ["predict-sweep", str(config_path), "--out", str(out), "--quiet"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mergecompose.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 240
+    while not (out / "settings" / "k2.json").is_file() and time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "Traceback" not in stderr
+    assert stderr.splitlines()[-1] == (
+        f"mergecompose predict-sweep: interrupted (Ctrl-C); every finished cell is kept in {out}, and the same "
+        "command resumes from them (cells in flight were stopped)"
+    )
+    kept = json.loads((out / "settings" / "k2.json").read_text())  # whole: it parses
+    assert not (out / "predict.json").exists()
+    assert main(argv) == 0
+    again = json.loads((out / "predict.json").read_text())
+    assert [s["outcomes"] for s in again["settings"]] == [s["outcomes"] for s in results["settings"]]
+    assert json.loads((out / "settings" / "k2.json").read_text()) == kept  # reused, not measured again
 
 
 def test_predict_sweep_refuses_a_bad_config_before_training(tmp_path, capsys):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import yaml
 
 from bad_inputs import Case, Cli
+from mergecompose.analysis.data import char_tokenizer
 
 VALID = {
     "name": "bad",
@@ -21,6 +24,14 @@ def _config(**changes):
         return Cli(["real-sweep", str(path), "--out", str(env.tmp / "out")], inputs=[path])
 
     return build
+
+
+def _base_without_a_chat_format(env):
+    """A checkpoint whose tokenizer (characters) has no chat format: the skills' data cannot be written for it."""
+    base = env.tmp / "base_without_chat"
+    shutil.copytree(env.checkpoints / "base", base)
+    char_tokenizer("abc").save_pretrained(base)
+    return _config(base=str(base))(env)
 
 
 CASES = [
@@ -77,5 +88,11 @@ CASES = [
         "clear",
         _config(base="./no_such_folder"),
         r"`base` '\./no_such_folder': no such folder",
+    ),
+    Case(
+        "real-sweep-a-base-without-a-chat-format",
+        "misleading",
+        _base_without_a_chat_format,
+        r"^`base` '[^']*base_without_chat': `tokenizer` must be a ChatML tokenizer with its chat template",
     ),
 ]
