@@ -1,7 +1,8 @@
 """Where expert logit deltas overlap, whether the composition is projective, and whether merging ≈ composing.
 
 Pure diagnostics on tensors live in `mergecompose.analysis.diagnostics` (those of the experts' top-1 token
-shifts in `mergecompose.analysis.shift_diagnostics`); `OverlapAccumulator` streams them
+shifts in `mergecompose.analysis.shift_diagnostics`, which of the merge and the composition keeps each expert's
+top-1 decisions in `mergecompose.analysis.retention`); `OverlapAccumulator` streams them
 over batches in O(k·V + bins) memory; `measure_overlap` runs a `ComposedLM` (and a merge) over
 batches and returns an `OverlapReport`.
 """
@@ -31,6 +32,7 @@ from mergecompose.analysis.diagnostics import (
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
 from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.paired_outcome import PairedOutcome, paired_outcome
+from mergecompose.analysis.retention import Retention, RetentionCounts, retention_counts, retention_measures
 from mergecompose.analysis.sequential_decision import (
     BettingConfidenceSequence,
     Decision,
@@ -57,6 +59,8 @@ __all__ = [
     "OverlapReport",
     "OverlapSettings",
     "PairedOutcome",
+    "Retention",
+    "RetentionCounts",
     "SequentialDecision",
     "active_experts",
     "active_intervals",
@@ -78,6 +82,8 @@ __all__ = [
     "paired_outcome",
     "replay_orders",
     "restricted_projective_error",
+    "retention_counts",
+    "retention_measures",
     "rollout_batches",
     "shift_agreement",
     "shift_counts",

@@ -60,6 +60,11 @@ class MeasuredBatch:
     residual_square: torch.Tensor | None  # (n,) Σ_v r² of the interaction residual
     signal_square: torch.Tensor | None  # (n,) Σ_v of the squared centred composed logit change
     linearization: torch.Tensor | None  # (k, n) linearization error of θ_b + λτ_i
+    # Retention (`mergecompose.analysis.retention`), over V: which of merge and composition keeps each expert's top-1.
+    composed_top1: torch.Tensor | None = None  # (n,) int64 argmax of q
+    base_expert_logprob: torch.Tensor | None = None  # (k, n) log p_b(t_i), t_i expert i's top-1 token
+    merged_top1: torch.Tensor | None = None  # (n,) int64 argmax of m
+    expert_merged_kl: torch.Tensor | None = None  # (k, n) KL(p_i ‖ m)
 
     @property
     def num_positions(self) -> int:
@@ -135,6 +140,8 @@ _POSITION_DIM = {
     "linearization": 1,
     "top1": 1,
     "expert_composed_kl": 1,
+    "base_expert_logprob": 1,
+    "expert_merged_kl": 1,
     "gathered": 1,
     "delta_low": 1,
     "delta_high": 1,
@@ -178,13 +185,20 @@ def _measure_rows(components, composed, merged, scaled_experts, weights, setting
         delta_extent=None,
         supports=dx.delta_supports_from_probs(centred, base_probs, expert_probs, settings.epsilon, settings.eta),
     )
-    fields.update(_merge_measures(base, experts, log_q, merged, scaled_experts, weights))
+    fields.update(_merge_measures(base, experts, log_q, merged, scaled_experts, weights, top1))
     return fields
 
 
-def _merge_measures(base, experts, log_q, merged, scaled_experts, weights) -> dict:
-    """Per position over V: KL(q ‖ m), top-1 agreement, the interaction residual's sums, the linearization errors."""
+def _merge_measures(base, experts, log_q, merged, scaled_experts, weights, top1) -> dict:
+    """Per position over V: KL(q ‖ m), top-1 agreement, the interaction residual's sums, the linearization errors;
+    what retention reads: q's and m's top-1 tokens, KL(p_i ‖ m), log p_b(t_i) (`top1` `(k+1, n)`: t_b, t_1…t_k)."""
     fields = dict(merge_gap=None, top1_agree=None, residual_square=None, signal_square=None, linearization=None)
+    fields.update(
+        composed_top1=log_q.argmax(-1),
+        base_expert_logprob=base.gather(-1, top1[1:].T).T,  # (k, n)
+        merged_top1=None,
+        expert_merged_kl=None,
+    )
     scaled = None if scaled_experts is None else scaled_experts.float()  # (k, n, V), as given
     if scaled is not None and any(w != 1.0 for w in weights):  # at λ = 1 it is 0 by construction
         fields["linearization"] = torch.stack(
@@ -195,6 +209,8 @@ def _merge_measures(base, experts, log_q, merged, scaled_experts, weights) -> di
     log_m = torch.log_softmax(merged.float(), dim=-1)  # (n, V)
     fields["merge_gap"] = dx.kl_from_logprobs(log_q, log_q.exp(), log_m)
     fields["top1_agree"] = dx.top1_agreement(log_q, log_m)
+    fields["merged_top1"] = log_m.argmax(-1)
+    fields["expert_merged_kl"] = dx.kl_from_logprobs(experts, experts.exp(), log_m)  # (k, n)
     if scaled is None:
         return fields
     residual = dx.interaction_residual(log_m, scaled, base)  # (n, V)
@@ -365,7 +381,7 @@ def _union_rows(components, composed, merged, scaled_experts, weights, settings:
         top1=top1,
         expert_composed_kl=composed_kl[1:],
     )
-    fields.update(_merge_measures(components[0], components[1:], log_q, merged, scaled_experts, weights))
+    fields.update(_merge_measures(components[0], components[1:], log_q, merged, scaled_experts, weights, top1))
 
     top = peak.topk(min(settings.candidates, V), dim=-1, sorted=False)
     columns = top.indices.sort(dim=-1).values  # (n, M)

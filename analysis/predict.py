@@ -81,6 +81,18 @@ SHIFT_STATISTICS = (
     "top1_same_shift_share_min",
 )
 PARAMETER_STATISTICS = ("cosine", "ties_sign_conflict", "trimmed_mask_jaccard")
+# `mergecompose.analysis.retention`: the skill most lost in the merge and in the composition, merge minus
+# composition, and the base's knowledge of the least known expert's top-1 tokens (everywhere, where it shifts).
+RETENTION_STATISTICS = (
+    "retention_kl_max_merge",
+    "retention_kl_max_compose",
+    "retention_kl_max_merge_minus_compose",
+    "retention_kept_min_merge",
+    "retention_kept_min_compose",
+    "retention_kept_min_merge_minus_compose",
+    "base_logprob_expert_top1_min",
+    "base_logprob_expert_top1_shifted_min",
+)
 PROXY_OWNER_STATISTICS = ("silent_flip_rate", "silent_shift_kl", "low_confidence_rate", "composed_entropy")
 
 
@@ -205,6 +217,22 @@ def flatten_report(reports: Mapping[str, dict]) -> dict[str, float | None]:
         values = _parameter(main, key)
         flat[f"parameter_{key}_max"] = max(values, default=None)
         flat[f"parameter_{key}_mean"] = _mean(values)
+    flat.update(_retention_statistics(main))
+    return flat
+
+
+def _retention_statistics(report: dict) -> dict[str, float | None]:
+    """`RETENTION_STATISTICS` of one overlap summary (None where it has no retention, or the value is undefined)."""
+    retention = report.get("retention") or {}
+    lost, difference = retention.get("most_lost") or {}, retention.get("merge_minus_compose") or {}
+    flat: dict[str, float | None] = {}
+    for measure, kind in (("kl", "max"), ("kept", "min")):
+        for system in ("merge", "compose"):
+            flat[f"retention_{measure}_{kind}_{system}"] = lost.get(f"{system}_{measure}_{kind}")
+        flat[f"retention_{measure}_{kind}_merge_minus_compose"] = difference.get(f"{measure}_{kind}")
+    for key, name in (("base_logprob_mean", ""), ("base_logprob_mean_shifted", "_shifted")):
+        values = [e[key] for e in report["experts"].values() if e.get(key) is not None]
+        flat[f"base_logprob_expert_top1{name}_min"] = min(values, default=None)
     return flat
 
 
@@ -225,7 +253,7 @@ def diagnostic_names(settings: OverlapSettings | None = None) -> list[str]:
         names.append(f"mass_overlap_upper_max{suffix}")
     names += [*GAP_STATISTICS, *EXPERT_STATISTICS, *SHIFT_STATISTICS]
     names += [f"parameter_{key}_{kind}" for key in PARAMETER_STATISTICS for kind in ("max", "mean")]
-    return names + list(PROXY_OWNER_STATISTICS)
+    return names + list(RETENTION_STATISTICS) + list(PROXY_OWNER_STATISTICS)
 
 
 def undefined_reasons(
@@ -276,6 +304,13 @@ def _undefined_reason(name: str, report: dict, settings: OverlapSettings) -> str
         return "it needs each expert's θ_b + λτ_i model, built only at λ ≠ 1 (and a composed logit change ≠ 0)"
     if name.startswith("parameter_"):
         return "no task vectors were measured (the parameter-space measures are off)"
+    if name.startswith("retention_") and "merge" in name and report.get("merge_compose_gap") is None:
+        return "no merged model was measured"
+    if name.startswith(("retention_", "base_logprob_expert_top1_shifted")):
+        return (
+            "no expert's top-1 token differs from the base's at any measured position, so there is no position to "
+            "read what the merge and the composition keep of it"
+        )
     return "the measurement gave no value"
 
 

@@ -32,6 +32,7 @@ from mergecompose.analysis.reducers import (
     VocabularyReducer,
     merge_reports,
 )
+from mergecompose.analysis.retention_reducer import RetentionReducer
 from mergecompose.analysis.sequence_reducers import ExampleReducer, IntervalReducer
 from mergecompose.analysis.summaries import PositionReservoir
 from mergecompose.composition.rule import check_weights, compose_logprobs
@@ -59,7 +60,11 @@ class OverlapReport:
     * `reservoir`: example positions with the top tokens of every component;
     * `vocabulary` (on the top-k union, the default): the mass each distribution puts outside
       the measured tokens, mean and largest over positions; then every pair also has
-      `mass_overlap_bounds`, an interval that holds its mass overlap over all V.
+      `mass_overlap_bounds`, an interval that holds its mass overlap over all V;
+    * `retention` (`mergecompose.analysis.retention`): where each expert shifts the base's top-1 token, how far
+      the merge and the composition are from it and how often they keep its token (per expert under
+      `experts[name]["retention"]`, with the base's mean log-probability of the expert's top-1 token), the skill
+      most lost in each, and merge minus composition.
     """
 
     num_positions: int
@@ -75,6 +80,7 @@ class OverlapReport:
     heatmap: list[dict]
     reservoir: list[dict]
     vocabulary: dict | None = None
+    retention: dict | None = None
     extra: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -92,7 +98,7 @@ class OverlapReport:
     def to_dict(self) -> dict:
         result = asdict(self)
         extra = result.pop("extra")
-        for key in ("merge_compose_gap", "vocabulary"):
+        for key in ("merge_compose_gap", "vocabulary", "retention"):
             if result[key] is None:
                 del result[key]
         result.update(extra)
@@ -167,6 +173,7 @@ class OverlapAccumulator:
             LinearizationReducer(self.names, self.weights),
             MergeGapReducer(self.weights, self.vocab_size),
             VocabularyReducer(self.names, self.settings.candidates),
+            RetentionReducer(self.names),
             self.examples,
         ]
         self.position_reducers = [reducer for reducer in self.reducers if reducer.reads is MeasuredBatch]

@@ -82,6 +82,7 @@ def test_report_keys_keep_their_order():
         "heatmap",
         "reservoir",
         "vocabulary",
+        "retention",
     ]
     assert list(report["experts"]["a"]) == [
         "kl_mean",
@@ -99,6 +100,9 @@ def test_report_keys_keep_their_order():
         "kl_histogram",
         "linearization_error",
         "linearization_error_max",
+        "retention",
+        "base_logprob_mean",
+        "base_logprob_mean_shifted",
     ]
     assert list(report["pairs"]["a|b"]) == [
         "mass_overlap",
