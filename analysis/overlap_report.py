@@ -193,6 +193,7 @@ def markdown(results: dict) -> str:
                 f"relative to the composed logit change {format_number(gap['interaction_residual_relative'])}."
             )
         lines.append("")
+    lines += retention_lines(results)
     lines += ["## Tokens each expert moves most (mean |δ̃|)", ""]
     for name, stats in results["experts"].items():
         tokens = ", ".join(f"{t['token']!r} {t['mean_abs_delta']:.3g}" for t in stats["top_tokens"])
@@ -209,6 +210,48 @@ def markdown(results: dict) -> str:
     if "recommendation" in results:
         lines += ["## Merge or compose?", "", "```", recommendation_text(results["recommendation"]), "```", ""]
     return "\n".join(lines)
+
+
+RETENTION_HEADER = [
+    "expert",
+    "positions shifted",
+    "merge KL(p_i‖m)",
+    "merge keeps",
+    "compose KL(p_i‖q)",
+    "compose keeps",
+    "base log p_b(t_i)",
+]
+
+
+def retention_lines(results: dict) -> list[str]:
+    """Which of the merge and the composition keeps each expert's top-1 decisions (`analysis.retention`)."""
+    retention = results.get("retention")
+    if not retention:
+        return []
+    rows = []
+    for name, stats in results["experts"].items():
+        kept = stats.get("retention") or {}
+        merge, compose = kept.get("merge") or {}, kept.get("compose") or {}
+        rows.append(
+            [
+                name,
+                retention["shifted_positions"][name],
+                merge.get("kl_mean"),
+                merge.get("kept_share"),
+                compose.get("kl_mean"),
+                compose.get("kept_share"),
+                stats.get("base_logprob_mean"),
+            ]
+        )
+    return [
+        "## Which side keeps each expert's decisions (teacher-forced)",
+        "",
+        "Where expert i's top-1 token differs from the base's: how far the merge and the composition are from it, "
+        "and the share of those positions where each keeps its token.",
+        "",
+        *markdown_table(RETENTION_HEADER, rows, cell=format_number).splitlines(),
+        "",
+    ]
 
 
 def terminal_table(results: dict) -> str:

@@ -98,6 +98,11 @@ def test_overlap_cli_linear_checkpoints_with_merge(workspace, capsys):
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert config["experts"] == [str(workspace / "ab"), str(workspace / "cd")] and config["settings"]["epsilon"] == 0.1
     assert "## Pairs" in (out / "overlap.md").read_text()
+    # Which side keeps each expert's decisions: both systems measured (a merge was given), per expert and summed.
+    assert set(results["retention"]["shifted_positions"]) == {"ab", "cd"}
+    assert set(results["experts"]["ab"]["retention"]) == {"merge", "compose"}
+    assert set(results["experts"]["ab"]["retention"]["merge"]) == {"kl_mean", "kept_share"}
+    assert "## Which side keeps each expert's decisions" in (out / "overlap.md").read_text()
     # An existing output folder is refused, and kept as it was.
     assert main(args) == 2
     assert "overwrite" in capsys.readouterr().err
