@@ -194,6 +194,7 @@ def markdown(results: dict) -> str:
             )
         lines.append("")
     lines += retention_lines(results)
+    lines += interference_lines(results)
     lines += ["## Tokens each expert moves most (mean |δ̃|)", ""]
     for name, stats in results["experts"].items():
         tokens = ", ".join(f"{t['token']!r} {t['mean_abs_delta']:.3g}" for t in stats["top_tokens"])
@@ -250,6 +251,26 @@ def retention_lines(results: dict) -> list[str]:
         "and the share of those positions where each keeps its token.",
         "",
         *markdown_table(RETENTION_HEADER, rows, cell=format_number).splitlines(),
+        "",
+    ]
+
+
+def interference_lines(results: dict) -> list[str]:
+    """Input-space interference of LoRA experts (`analysis.input_interference`), or why there is none."""
+    if "input_interference" not in results:
+        return []
+    interference = results["input_interference"]
+    lines = ["## Input-space interference (LoRA experts, teacher-forced)", ""]
+    if interference is None:
+        return [*lines, "Not measured: the experts are not all LoRA adapters.", ""]
+    rows = [[pair, values["mean"], values["max"]] for pair, values in interference["pairs"].items()]
+    return [
+        *lines,
+        "ρ(i→j) = ‖ΔW_j H_i‖ / ‖ΔW_i H_i‖ per adapted layer, H_i the layer's inputs in expert i's model: how much "
+        f"expert j's update answers expert i's inputs. Over {len(interference['layers'])} layers and both "
+        f"directions: mean {format_number(interference['mean'])}, max {format_number(interference['max'])}.",
+        "",
+        *markdown_table(["i→j", "mean over layers", "max over layers"], rows, cell=format_number).splitlines(),
         "",
     ]
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.analysis.data import encode_records, make_batches, prompt_batches, read_jsonl
+from mergecompose.analysis.input_interference import input_interference
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
 from mergecompose.analysis.overlap_report import write_outputs
 from mergecompose.analysis.overlap_settings import OverlapSettings
@@ -291,6 +292,12 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
             merge("task_arithmetic", base_model, list(task_vectors.values()), lam=config.lam, progress=False)
         )
 
+    # LoRA experts: input interference (`input_interference`), on the base model left as it was after.
+    adapters = None
+    if all(is_adapter_source(expert, "experts") for expert in config.experts):
+        interference_base = base_model or AutoModelForCausalLM.from_pretrained(config.base).eval().to(device)
+        adapters = (interference_base, dict(zip(composed.expert_names, config.experts)))
+
     common = dict(settings=config.settings, tokenizer=tokenizer, progress=progress)
     report = measure_overlap(
         composed,
@@ -303,6 +310,7 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
         **common,
     )
     results = report.to_dict()
+    results["input_interference"] = None if adapters is None else input_interference(*adapters, batches)
 
     results["rollouts"] = {}
     for source in sources:
@@ -331,6 +339,7 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
                 task_vectors=task_vectors,
                 settings=config.settings,
                 progress=progress,
+                adapters=adapters,
             )
             # An undefined diagnostic degrades the verdict (`VerdictRule.verdict`) and says why; it never fails the run.
             reasons = undefined_reasons(diagnostics, reports, config.settings)

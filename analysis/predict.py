@@ -37,6 +37,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mergecompose.analysis.diagnostics import expert_activity
+from mergecompose.analysis.input_interference import input_interference
 from mergecompose.analysis.measure import batch_tensors, measure_overlap
 from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.real_settings_score import RealSettingsScore
@@ -93,6 +94,8 @@ RETENTION_STATISTICS = (
     "base_logprob_expert_top1_min",
     "base_logprob_expert_top1_shifted_min",
 )
+# `mergecompose.analysis.input_interference`, LoRA experts only: ρ over layers and ordered pairs.
+INTERFERENCE_STATISTICS = ("lora_input_interference_mean", "lora_input_interference_max")
 PROXY_OWNER_STATISTICS = ("silent_flip_rate", "silent_shift_kl", "low_confidence_rate", "composed_entropy")
 
 
@@ -253,7 +256,7 @@ def diagnostic_names(settings: OverlapSettings | None = None) -> list[str]:
         names.append(f"mass_overlap_upper_max{suffix}")
     names += [*GAP_STATISTICS, *EXPERT_STATISTICS, *SHIFT_STATISTICS]
     names += [f"parameter_{key}_{kind}" for key in PARAMETER_STATISTICS for kind in ("max", "mean")]
-    return names + list(RETENTION_STATISTICS) + list(PROXY_OWNER_STATISTICS)
+    return names + list(RETENTION_STATISTICS) + list(INTERFERENCE_STATISTICS) + list(PROXY_OWNER_STATISTICS)
 
 
 def undefined_reasons(
@@ -304,6 +307,8 @@ def _undefined_reason(name: str, report: dict, settings: OverlapSettings) -> str
         return "it needs each expert's θ_b + λτ_i model, built only at λ ≠ 1 (and a composed logit change ≠ 0)"
     if name.startswith("parameter_"):
         return "no task vectors were measured (the parameter-space measures are off)"
+    if name in INTERFERENCE_STATISTICS:
+        return "the experts are not all LoRA adapters: input interference reads each adapter's factors B A"
     if name.startswith("retention_") and "merge" in name and report.get("merge_compose_gap") is None:
         return "no merged model was measured"
     if name.startswith(("retention_", "base_logprob_expert_top1_shifted")):
@@ -321,12 +326,15 @@ def unlabelled_diagnostics(
     task_vectors: Mapping[str, object] | None = None,
     settings: OverlapSettings | None = None,
     progress: bool = False,
+    adapters: tuple[torch.nn.Module, Mapping[str, object]] | None = None,
 ) -> tuple[dict[str, float | None], dict[str, dict]]:
     """Every diagnostic of the composed model's own rollouts (`mergecompose.analysis.rollout_batches`), flat.
 
     `merged_model` (the task-arithmetic merge at the composition's weights) gives the merge–compose
-    gap; `task_vectors` the parameter-space measures. Returns `(flat, reports)`: `flatten_report`'s
-    names plus `proxy_owner_statistics`', and the `measure_overlap` summaries by centre.
+    gap; `task_vectors` the parameter-space measures; `adapters`, `(base model, {name: adapter})` for LoRA
+    experts, the input interference (`input_interference`; the base model is left as it was). Returns
+    `(flat, reports)`: `flatten_report`'s names plus `proxy_owner_statistics`' and `INTERFERENCE_STATISTICS`, and
+    the `measure_overlap` summaries by centre (and `input_interference`'s report under "input_interference").
     """
     settings = settings or OverlapSettings()
     reports = {}
@@ -343,6 +351,12 @@ def unlabelled_diagnostics(
         reports[centre] = report.summary()
     flat = flatten_report(reports)
     flat.update(proxy_owner_statistics(composed, rollouts, settings.epsilon))
+    flat.update(dict.fromkeys(INTERFERENCE_STATISTICS))
+    if adapters is not None:
+        interference = input_interference(adapters[0], adapters[1], rollouts)
+        reports["input_interference"] = interference
+        flat["lora_input_interference_mean"] = interference["mean"]
+        flat["lora_input_interference_max"] = interference["max"]
     return flat, reports
 
 

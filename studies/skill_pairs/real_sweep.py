@@ -15,6 +15,7 @@ or another that is given the folder:
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -303,7 +304,8 @@ def setting_record(
 
 
 def setting_diagnostics(config: RealSweepConfig, setting: SettingRun, items, folder: Path) -> dict:
-    """`unlabelled_diagnostics` of the composition (weights 1) on its own rollouts of the validation prompts."""
+    """`unlabelled_diagnostics` of the composition (weights 1) on its own rollouts of the validation prompts, with the
+    LoRA experts' input interference."""
     path = folder / "diagnostics.json"
     if path.is_file():
         return json.loads(path.read_text(encoding="utf-8"))
@@ -312,11 +314,15 @@ def setting_diagnostics(config: RealSweepConfig, setting: SettingRun, items, fol
     batches = [generation_inputs(setting.tokenizer, prompts[i : i + 8]) for i in range(0, len(prompts), 8)]
     merged = setting.merged_model("task_arithmetic", {"lam": 1.0})
     task_vectors = dict(zip(setting.experts, setting.task_vectors()))
+    # The composition runs on the base itself, so the input interference's adapters go onto a copy of it.
+    adapters = (copy.deepcopy(setting.base), setting.experts)
     with setting.composed([1.0, 1.0]) as composed:
         rollouts = rollout_batches(
             composed, batches, max_new_tokens=config.rollout_tokens, eos_token_id=stop, pad_token_id=stop
         )
-        flat, _ = unlabelled_diagnostics(composed, rollouts, merged, task_vectors, config.diagnostics)
+        flat, _ = unlabelled_diagnostics(
+            composed, rollouts, merged, task_vectors, config.diagnostics, adapters=adapters
+        )
     flat = {key: (None if value is None or value != value else float(value)) for key, value in flat.items()}
     atomic_write_text(path, json.dumps(flat, indent=1) + "\n")
     return flat

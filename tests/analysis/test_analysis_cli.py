@@ -37,6 +37,9 @@ def workspace(base_model, tmp_path_factory):
         expert.save_pretrained(root / name)
     merge("task_arithmetic", base_model, experts, lam=1.0, out_dir=root / "merged", progress=False)
     random_lora_adapter(base_model, root / "lora", seed=43, scale=3.0)
+    random_lora_adapter(
+        base_model, root / "lora2", seed=44, scale=3.0, target_modules=["q_proj", "v_proj", "down_proj"]
+    )
     lines = [{"text": "ABCD ABCD XYZ"}, {"prompt": "CABBA >", "completion": "CBBBB"}, {"text": "DCBA AC"}]
     (root / "data.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     return root
@@ -138,6 +141,21 @@ def test_overlap_cli_adapter_and_checkpoint_from_yaml(workspace):
     assert results["experts"]["ab"]["linearization_error"] < 1e-6
     assert results["experts"]["lora"]["linearization_error"] > 1e-6
     assert not (out / "gap_histogram.png").exists()
+    # One expert is a full checkpoint: no input interference, and overlap.md says why.
+    assert results["input_interference"] is None
+    assert "Not measured: the experts are not all LoRA adapters." in (out / "overlap.md").read_text()
+
+
+def test_overlap_cli_lora_experts_get_their_input_interference(workspace):
+    out = workspace / "out_lora"
+    argv = ["overlap", "--base", str(workspace / "base"), "--expert", str(workspace / "lora")]
+    argv += ["--expert", str(workspace / "lora2"), "--data", str(workspace / "data.jsonl"), "--out", str(out)]
+    assert main([*argv, "--quiet"]) == 0
+    interference = json.loads((out / "overlap.json").read_text())["input_interference"]
+    assert set(interference["pairs"]) == {"lora→lora2", "lora2→lora"}
+    assert len(interference["layers"]) == 14  # every linear of 2 layers: q, k, v, o, gate, up, down
+    assert interference["max"] >= interference["mean"] > 0
+    assert "## Input-space interference (LoRA experts, teacher-forced)" in (out / "overlap.md").read_text()
 
 
 def test_overlap_cli_rejects_bad_configs(workspace, capsys):

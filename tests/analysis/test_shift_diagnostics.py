@@ -16,6 +16,7 @@ from mergecompose.analysis.measure import model_logprobs
 from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.predict import (
     CENTRES,
+    INTERFERENCE_STATISTICS,
     PROXY_OWNER_STATISTICS,
     check_rule_diagnostics,
     diagnostic_names,
@@ -276,7 +277,10 @@ def test_the_report_and_the_flat_diagnostics_where_every_position_is_co_active()
     assert report["pairs"]["a|b"]["top1_same_shift_share"] is None
 
     flat = flatten_report(reports)
-    assert set(flat) | set(PROXY_OWNER_STATISTICS) == set(diagnostic_names(settings))
+    assert set(flat) | set(PROXY_OWNER_STATISTICS) | set(INTERFERENCE_STATISTICS) == set(diagnostic_names(settings))
+    # No merge was measured: the merge's retention is undefined, the composition's is defined.
+    assert flat["retention_kl_max_merge"] is None and flat["retention_kl_max_merge_minus_compose"] is None
+    assert flat["retention_kept_min_compose"] is not None
     assert flat["projective_error"] is None
     assert flat["projective_error_dominant"] == pytest.approx((ERROR_T0_APART + ERROR_T1 + ERROR_T2) / 3, abs=1e-6)
     assert flat["top1_shift_rate_mean"] == pytest.approx(0.5) and flat["top1_shift_rate_max"] == pytest.approx(2 / 3)
