@@ -159,7 +159,7 @@ def combine_lora_adapters(
     The relative error ‖ΔW − Σ w_i ΔW_i‖_F / ‖Σ w_i ΔW_i‖_F, per module and over all modules,
     is measured on the result and written to `combination.json` beside the adapter.
 
-    peft 0.21's `add_weighted_adapter` copies `use_rslora` into the combined config, so with
+    peft before 0.22 copies `use_rslora` into `add_weighted_adapter`'s combined config, so with
     rsLoRA the combined adapter's scaling becomes √(new rank) instead of 1 (peft issue #3761, PR
     #3449); this function resets it to 1. Adapters with DoRA or `lora_bias` are refused (peft's
     combination ignores both), as are adapters made for another base and, unless `allow_nonfinite`,
