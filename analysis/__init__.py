@@ -1,33 +1,35 @@
 """Where expert logit deltas overlap, whether the composition is projective, and whether merging ≈ composing.
 
-Pure diagnostics on tensors live in `mergecompose.analysis.diagnostics` (those of the experts' top-1 token
-shifts in `mergecompose.analysis.shift_diagnostics`, which of the merge and the composition keeps each expert's
-top-1 decisions in `mergecompose.analysis.retention`); `OverlapAccumulator` streams them
-over batches in O(k·V + bins) memory; `measure_overlap` runs a `ComposedLM` (and a merge) over
-batches and returns an `OverlapReport`.
+Pure diagnostics on tensors live in `mergecompose.analysis.diagnostics` (the overlap of the experts' deltas
+over the vocabulary in `mergecompose.analysis.delta_overlap`, those of their top-1 token shifts in
+`mergecompose.analysis.shift_diagnostics`, which of the merge and the composition keeps each expert's top-1
+decisions in `mergecompose.analysis.retention`); `OverlapAccumulator` streams them over batches in O(k·V + bins)
+memory; `measure_overlap` runs a `ComposedLM` (and a merge) over batches and returns an `OverlapReport`.
 """
 
+from mergecompose.analysis.delta_overlap import (
+    centred_deltas,
+    delta_norm_ratio,
+    delta_supports,
+    overlap_weights,
+    sign_conflict_mass,
+    weighted_median,
+    weighted_overlap,
+)
 from mergecompose.analysis.diagnostics import (
     active_experts,
     active_intervals,
-    centred_deltas,
     coactivation_rate,
     conditional_kl,
-    delta_norm_ratio,
-    delta_supports,
     expert_activity,
     interaction_residual,
     interval_intersections,
     kl_divergence,
     linearization_error,
     merge_compose_gap,
-    overlap_weights,
     restricted_projective_error,
-    sign_conflict_mass,
     single_active_error,
     top1_agreement,
-    weighted_median,
-    weighted_overlap,
 )
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
 from mergecompose.analysis.overlap_settings import OverlapSettings

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mergecompose.analysis import delta_overlap as ox
 from mergecompose.analysis import diagnostics as dx
 from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.composition.rule import LOGPROB_FLOOR
@@ -163,7 +164,7 @@ def _measure_rows(components, composed, merged, scaled_experts, weights, setting
     single, eligible = dx.single_active_error_from_logprobs(base, experts, log_q, active)
     base_probs, composed_probs = base.exp(), log_q.exp()
     top1, expert_composed_kl = normalised.argmax(-1), dx.kl_from_logprobs(experts, expert_probs, log_q)
-    centred = dx.centred_deltas_from_logprobs(base, experts, centre=settings.centre, base_probs=base_probs)
+    centred = ox.centred_deltas_from_logprobs(base, experts, centre=settings.centre, base_probs=base_probs)
     fields = dict(
         activity=activity,
         active=active,
@@ -183,7 +184,7 @@ def _measure_rows(components, composed, merged, scaled_experts, weights, setting
         centre_below=None,
         centre_above=None,
         delta_extent=None,
-        supports=dx.delta_supports_from_probs(centred, base_probs, expert_probs, settings.epsilon, settings.eta),
+        supports=ox.delta_supports_from_probs(centred, base_probs, expert_probs, settings.epsilon, settings.eta),
     )
     fields.update(_merge_measures(base, experts, log_q, merged, scaled_experts, weights, top1))
     return fields
@@ -315,7 +316,7 @@ def union_centre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The centre of δ over a token subset U, and an interval `[lower, upper]` that holds it and the centre over all V.
 
-    `centre = weighted_median(δ_U, weights)` (`diagnostics.weighted_median`, the lower one, over U). With
+    `centre = weighted_median(δ_U, weights)` (`delta_overlap.weighted_median`, the lower one, over U). With
     `weights = p_b` on U, the base-weighted median over all V is the smallest δ(v) with
     `F(δ(v)) ≥ ½`, `F(t) = Σ_{v: δ(v) ≤ t} p_b(v)`. Over U, `F_U ≤ F ≤ F_U + τ` with τ the
     base's mass outside U, so it lies in
@@ -434,6 +435,6 @@ def _union_columns(fields: dict, settings: OverlapSettings) -> dict:
         centre_above=(upper - centre)[..., 0],
         # Outside U, |δ_i − c| ≤ this for every c in the centre's interval; 0 where nothing is outside.
         delta_extent=torch.maximum(tail_high - lower[..., 0], upper[..., 0] - tail_low).clamp(min=0),  # (k, n)
-        supports=dx.delta_supports_from_probs(centred, probs[0], probs[1 : k + 1], settings.epsilon, settings.eta),
+        supports=ox.delta_supports_from_probs(centred, probs[0], probs[1 : k + 1], settings.epsilon, settings.eta),
     )
     return fields

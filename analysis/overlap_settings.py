@@ -18,7 +18,7 @@ class OverlapSettings(BaseModel):
       for each; `heatmap_sequences`: sequences whose per-position activity is kept for the plot;
     * `top_tokens`: per expert, how many of the tokens with the largest mean |δ̃| are listed;
     * `centre`: how each delta is centred over the vocabulary before the overlap
-      (`mergecompose.analysis.diagnostics.centred_deltas`): "base_weighted_median" (the default: set by where
+      (`mergecompose.analysis.delta_overlap.centred_deltas`): "base_weighted_median" (the default: set by where
       the base's mass is, and cheap to find on the top-k union) or "median" (each token counted
       once; a selection over V per position);
     * `full_vocabulary`: compute the centre, supports, overlap sums, top tokens and restricted

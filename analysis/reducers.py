@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
+from mergecompose.analysis import delta_overlap as ox
 from mergecompose.analysis import diagnostics as dx
 from mergecompose.analysis import shift_diagnostics as sx
 from mergecompose.analysis.measured_batch import MeasuredBatch, SequenceBatch
@@ -162,7 +163,7 @@ class KLHistogramReducer:
 class PairOverlapReducer:
     """Overlap over the vocabulary, per pair: the pooled mass overlap `O_ij`, its sign-conflict share,
     the Jaccard of the supports, co-activation, the mean `O_ij` where both are active, and the ratio of
-    the two deltas' weighted RMS norms from the same sums (`diagnostics.delta_norm_ratio`)."""
+    the two deltas' weighted RMS norms from the same sums (`delta_overlap.delta_norm_ratio`)."""
 
     reads = MeasuredBatch
 
@@ -184,17 +185,17 @@ class PairOverlapReducer:
         self.positions += batch.num_positions
         centred, supports = batch.centred, batch.supports  # (k, N, M), (k, N, M)
         for pair, (i, j) in enumerate(self.pairs):
-            weight = dx.overlap_weights_from_probs(
+            weight = ox.overlap_weights_from_probs(
                 batch.base_probs, batch.expert_probs[i], batch.expert_probs[j], batch.composed_probs
             )  # (N, M)
-            sums = dx.overlap_sums(centred[i], centred[j], weight)  # each (N,)
+            sums = ox.overlap_sums(centred[i], centred[j], weight)  # each (N,)
             self.overlap_totals[pair] += torch.stack([s.double().sum() for s in sums]).cpu()
             if batch.columns is not None:
                 self.restricted = True
                 self.bound_totals[pair] += self._sum_bounds(batch, weight, i, j)
             both = batch.active[i] & batch.active[j]  # (N,)
             self.coactive[pair] += int(both.sum())
-            self.coactive_overlap_sum[pair] += float(dx.overlap_ratio(sums)[both].double().sum())
+            self.coactive_overlap_sum[pair] += float(ox.overlap_ratio(sums)[both].double().sum())
             self.support_intersection[pair] += int((supports[i] & supports[j]).sum())
             self.support_union[pair] += int((supports[i] | supports[j]).sum())
 
@@ -248,16 +249,16 @@ class PairOverlapReducer:
         n = max(self.positions, 1)
         pairs = {}
         for pair, (i, j) in enumerate(self.pairs):
-            sums = dx.OverlapSums(*self.overlap_totals[pair].unbind())
+            sums = ox.OverlapSums(*self.overlap_totals[pair].unbind())
             coactive = int(self.coactive[pair])
             pairs[pair_key(self.names[i], self.names[j])] = {
-                "mass_overlap": float(dx.overlap_ratio(sums)),
-                "sign_conflict": float(dx.conflict_ratio(sums)),
-                "sign_conflict_overlap": float(dx.overlap_ratio(sums) * dx.conflict_ratio(sums)),
+                "mass_overlap": float(ox.overlap_ratio(sums)),
+                "sign_conflict": float(ox.conflict_ratio(sums)),
+                "sign_conflict_overlap": float(ox.overlap_ratio(sums) * ox.conflict_ratio(sums)),
                 "support_jaccard": float(self.support_intersection[pair]) / max(int(self.support_union[pair]), 1),
                 "coactivation_rate": coactive / n,
                 "mass_overlap_coactive_mean": float(self.coactive_overlap_sum[pair]) / coactive if coactive else None,
-                "delta_norm_ratio": _finite(float(dx.norm_ratio(sums))),
+                "delta_norm_ratio": _finite(float(ox.norm_ratio(sums))),
             }
             if self.restricted:
                 pairs[pair_key(self.names[i], self.names[j])]["mass_overlap_bounds"] = self._bounds(pair)

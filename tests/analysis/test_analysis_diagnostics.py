@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from scipy.special import rel_entr
 
+from mergecompose.analysis import delta_overlap as ox
 from mergecompose.analysis import diagnostics as dx
 from mergecompose.composition import compose_logprobs
 
@@ -104,7 +105,7 @@ def test_centred_deltas_subtract_the_median():
     base = torch.randn(5)
     delta = torch.tensor([0.1, 0.5, -0.3, 0.2, 0.0])
     expert = torch.log_softmax(base + delta, -1)  # ℓ − b = δ + constant
-    centred = dx.centred_deltas(base, expert[None])[0]
+    centred = ox.centred_deltas(base, expert[None])[0]
     torch.testing.assert_close(centred, torch.tensor([0.0, 0.4, -0.4, 0.1, -0.1]), atol=1e-6, rtol=0)
 
 
@@ -113,27 +114,27 @@ def test_weighted_overlap_and_sign_conflict_golden():
     delta_j = torch.tensor([2.0, 1.0, 0.0])
     weight = torch.tensor([1.0, 0.5, 1.0])
     # Σw|δi||δj| = 1·1·2 + 0.5·2·1 = 3; Σwδi² = 1 + 0.5·4 = 3; Σwδj² = 4 + 0.5·1 = 4.5
-    assert dx.weighted_overlap(delta_i, delta_j, weight).item() == pytest.approx(3 / math.sqrt(13.5), rel=1e-6)
+    assert ox.weighted_overlap(delta_i, delta_j, weight).item() == pytest.approx(3 / math.sqrt(13.5), rel=1e-6)
     # Signs differ only at token 1, which carries 1 of the 3.
-    assert dx.sign_conflict_mass(delta_i, delta_j, weight).item() == pytest.approx(1 / 3, rel=1e-6)
+    assert ox.sign_conflict_mass(delta_i, delta_j, weight).item() == pytest.approx(1 / 3, rel=1e-6)
     # Disjoint deltas, or a zero delta: overlap 0.
-    assert dx.weighted_overlap(torch.tensor([1.0, 0, 0]), torch.tensor([0, 0, 1.0]), weight).item() == 0.0
-    assert dx.weighted_overlap(torch.zeros(3), delta_j, weight).item() == 0.0
+    assert ox.weighted_overlap(torch.tensor([1.0, 0, 0]), torch.tensor([0, 0, 1.0]), weight).item() == 0.0
+    assert ox.weighted_overlap(torch.zeros(3), delta_j, weight).item() == 0.0
     # A delta with itself: overlap 1, no conflict; with its negation: overlap 1, all conflict.
-    assert dx.weighted_overlap(delta_i, delta_i, weight).item() == pytest.approx(1.0)
-    assert dx.sign_conflict_mass(delta_i, -delta_i, weight).item() == pytest.approx(1.0)
+    assert ox.weighted_overlap(delta_i, delta_i, weight).item() == pytest.approx(1.0)
+    assert ox.sign_conflict_mass(delta_i, -delta_i, weight).item() == pytest.approx(1.0)
 
 
 def test_overlap_weights_are_the_largest_probability():
     base, ei, ej, q = _log([0.7, 0.3]), _log([0.2, 0.8]), _log([0.5, 0.5]), _log([0.6, 0.4])
-    torch.testing.assert_close(dx.overlap_weights(base, ei, ej, q), torch.tensor([0.7, 0.8]))
+    torch.testing.assert_close(ox.overlap_weights(base, ei, ej, q), torch.tensor([0.7, 0.8]))
 
 
 def test_supports_need_both_a_large_delta_and_mass():
     centred = torch.tensor([[[2.0, 2.0, 0.01, 0.0]]])  # (k=1, N=1, V=4)
     base = _log([[0.5, 1e-6, 0.3, 0.2 - 1e-6]])
     expert = base[None]
-    supports = dx.delta_supports(centred, base, expert, epsilon=0.1, eta=1e-3)
+    supports = ox.delta_supports(centred, base, expert, epsilon=0.1, eta=1e-3)
     assert supports.tolist() == [[[True, False, False, False]]]
 
 
@@ -155,12 +156,12 @@ def _token_factorized(seed: int = 4):
 def test_factorized_supports_give_zero_overlap_and_zero_projective_error():
     base, experts = _token_factorized()
     composed = compose_logprobs(base, list(experts))
-    centred = dx.centred_deltas(base, experts)
-    supports = dx.delta_supports(centred, base, experts, epsilon=0.1, eta=0.0)
+    centred = ox.centred_deltas(base, experts)
+    supports = ox.delta_supports(centred, base, experts, epsilon=0.1, eta=0.0)
     assert not supports[0][..., 3:].any() and supports[0][..., :3].all()
     assert not (supports[1][..., :8].any() or supports[1][..., 10:].any()) and supports[1][..., 8:10].all()
-    weight = dx.overlap_weights(base, experts[0], experts[1], composed)
-    assert dx.weighted_overlap(centred[0], centred[1], weight).abs().max().item() < 1e-5
+    weight = ox.overlap_weights(base, experts[0], experts[1], composed)
+    assert ox.weighted_overlap(centred[0], centred[1], weight).abs().max().item() < 1e-5
     error = dx.restricted_projective_error(base, experts, composed, supports)
     assert error.shape == (2, 3, 5)
     assert error.abs().max().item() < 1e-6
@@ -196,11 +197,11 @@ def test_overlapping_experts_give_positive_overlap_conflict_and_projective_error
     bump_2[:3] = torch.tensor([-1.0, 2.0, 0.5])
     experts = torch.stack([torch.log_softmax(base + bump, -1), torch.log_softmax(base + bump_2, -1)])
     composed = compose_logprobs(base, list(experts))
-    centred = dx.centred_deltas(base, experts)
-    supports = dx.delta_supports(centred, base, experts, epsilon=0.1, eta=0.0)
-    weight = dx.overlap_weights(base, experts[0], experts[1], composed)
-    assert dx.weighted_overlap(centred[0], centred[1], weight).min().item() > 0.1
-    assert dx.sign_conflict_mass(centred[0], centred[1], weight).min().item() > 0.1
+    centred = ox.centred_deltas(base, experts)
+    supports = ox.delta_supports(centred, base, experts, epsilon=0.1, eta=0.0)
+    weight = ox.overlap_weights(base, experts[0], experts[1], composed)
+    assert ox.weighted_overlap(centred[0], centred[1], weight).min().item() > 0.1
+    assert ox.sign_conflict_mass(centred[0], centred[1], weight).min().item() > 0.1
     error = dx.restricted_projective_error(base, experts, composed, supports)
     assert error.min().item() > 1e-2
     activity = dx.expert_activity(base, experts)
@@ -254,7 +255,7 @@ def test_bad_arguments_raise_value_errors_naming_them():
     with pytest.raises(ValueError, match="`epsilon`"):
         dx.active_experts(torch.zeros(2, 3), -1.0)
     with pytest.raises(ValueError, match="`eta`"):
-        dx.delta_supports(torch.zeros(1, 3), torch.zeros(3), torch.zeros(1, 3), 0.1, 1.5)
+        ox.delta_supports(torch.zeros(1, 3), torch.zeros(3), torch.zeros(1, 3), 0.1, 1.5)
     with pytest.raises(ValueError, match="`experts`"):
         dx.expert_activity(torch.zeros(2, 3), torch.zeros(1, 2, 4))
     with pytest.raises(ValueError, match="`activity`"):
@@ -266,21 +267,21 @@ def test_weighted_median_golden_and_base_weighted_centre():
     weights = torch.tensor([[0.6, 0.2, 0.2], [1.0, 1.0, 1.0]])
     # Row 0: sorted 1, 2, 3 with weights 0.2, 0.2, 0.6 → cumulative 0.2, 0.4, 1.0 → 3.
     # Row 1: equal weights, odd V → the plain median 5.
-    assert dx.weighted_median(values, weights).flatten().tolist() == [3.0, 5.0]
+    assert ox.weighted_median(values, weights).flatten().tolist() == [3.0, 5.0]
     torch.testing.assert_close(
-        dx.weighted_median(values[1:], torch.ones(3)), values[1:].median(-1, keepdim=True).values
+        ox.weighted_median(values[1:], torch.ones(3)), values[1:].median(-1, keepdim=True).values
     )
     # A peaked base: 0.9 of its mass on token 0. The expert moves token 1 and its tail drifts
     # (tokens 2-4 down by 2), so the plain median sits in the drift; the base-weighted one at token 0.
     base = _log([0.9, 0.04, 0.02, 0.02, 0.02])
     delta = torch.tensor([0.0, 3.0, -2.0, -2.0, -2.0])
     expert = torch.log_softmax(base + delta, -1)[None]
-    plain = dx.centred_deltas(base, expert)[0]
-    weighted = dx.centred_deltas(base, expert, centre="base_weighted_median")[0]
+    plain = ox.centred_deltas(base, expert)[0]
+    weighted = ox.centred_deltas(base, expert, centre="base_weighted_median")[0]
     torch.testing.assert_close(plain, delta + 2.0, atol=1e-5, rtol=0)
     torch.testing.assert_close(weighted, delta, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="`centre`"):
-        dx.centred_deltas(base, expert, centre="mean")
+        ox.centred_deltas(base, expert, centre="mean")
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -298,14 +299,14 @@ def test_kernels_on_normalised_inputs_equal_the_normalising_functions():
     composed = compose_logprobs(base, list(experts))
     base_p, experts_p, composed_p = base.exp(), experts.exp(), composed.exp()
     _close(dx.kl_from_logprobs(experts, experts_p, base), dx.expert_activity(base, experts))
-    for centre in dx.CENTRES:
-        centred = dx.centred_deltas_from_logprobs(base, experts, centre=centre, base_probs=base_p)
-        _close(centred, dx.centred_deltas(base, experts, centre=centre))
-    supports = dx.delta_supports_from_probs(centred, base_p, experts_p, 0.1, 1e-3)
-    assert torch.equal(supports, dx.delta_supports(centred, base, experts, 0.1, 1e-3))
+    for centre in ox.CENTRES:
+        centred = ox.centred_deltas_from_logprobs(base, experts, centre=centre, base_probs=base_p)
+        _close(centred, ox.centred_deltas(base, experts, centre=centre))
+    supports = ox.delta_supports_from_probs(centred, base_p, experts_p, 0.1, 1e-3)
+    assert torch.equal(supports, ox.delta_supports(centred, base, experts, 0.1, 1e-3))
     assert 0 < int(supports.sum()) < supports.numel()
-    weight = dx.overlap_weights_from_probs(base_p, experts_p[0], experts_p[1], composed_p)
-    _close(weight, dx.overlap_weights(base, experts[0], experts[1], composed))
+    weight = ox.overlap_weights_from_probs(base_p, experts_p[0], experts_p[1], composed_p)
+    _close(weight, ox.overlap_weights(base, experts[0], experts[1], composed))
     active = dx.expert_activity(base, experts) > 0.1
     single, eligible = dx.single_active_error_from_logprobs(base, experts, composed, active)
     reference_single, reference_eligible = dx.single_active_error(base, experts, composed, active)

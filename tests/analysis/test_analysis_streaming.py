@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from mergecompose.analysis import delta_overlap as ox
 from mergecompose.analysis import diagnostics as dx
 from mergecompose.analysis import measured_batch
 from mergecompose.analysis.overlap_report import json_text
@@ -44,8 +45,8 @@ def test_pooled_overlap_equals_the_direct_computation_on_all_positions(centre, f
     report = _accumulate([components], [mask], settings=settings, chunk_positions=5)
     base, experts = components[0][mask], components[1:][:, mask]  # (N, V), (k, N, V)
     composed = compose_logprobs(base, list(experts))
-    centred = dx.centred_deltas(base, experts, centre=centre)
-    weight = dx.overlap_weights(base, experts[0], experts[1], composed)
+    centred = ox.centred_deltas(base, experts, centre=centre)
+    weight = ox.overlap_weights(base, experts[0], experts[1], composed)
     product = (weight * centred[0].abs() * centred[1].abs()).sum()
     norms = ((weight * centred[0] ** 2).sum() * (weight * centred[1] ** 2).sum()).sqrt()
     conflict = (weight * centred[0].abs() * centred[1].abs())[centred[0] * centred[1] < 0].sum()
@@ -60,7 +61,7 @@ def test_pooled_overlap_equals_the_direct_computation_on_all_positions(centre, f
     single, eligible = dx.single_active_error(base, experts, composed, activity > 0.1)
     assert 0 < int(eligible.sum()) < 22 and 0 < int((activity > 0.1).sum()) < 44
     assert report["projective_error"]["single_active"] == pytest.approx(float(single[eligible].mean()), rel=1e-5)
-    supports = dx.delta_supports(centred, base, experts, 0.1, 1e-3)
+    supports = ox.delta_supports(centred, base, experts, 0.1, 1e-3)
     restricted = dx.restricted_projective_error(base, experts, composed, supports)  # (k, N)
     assert report["experts"]["a"]["projective_error"] == pytest.approx(float(restricted[0].mean()), rel=1e-5)
     active_a = activity[0] > 0.1
@@ -271,7 +272,7 @@ def test_union_centre_by_hand_and_its_interval_holds_the_full_centre():
         centre, lower, upper = measured_batch.union_centre(
             deltas.gather(-1, keep), probs.gather(-1, keep), outside, (deltas.amin(-1), deltas.amax(-1))
         )
-        full = dx.weighted_median(deltas, probs)
+        full = ox.weighted_median(deltas, probs)
         assert bool(((lower <= full) & (full <= upper) & (lower <= centre) & (centre <= upper)).all())
 
 

@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from mergecompose.analysis import delta_overlap as ox
 from mergecompose.analysis import diagnostics as dx
 from mergecompose.analysis import measure_overlap
 from mergecompose.analysis import shift_diagnostics as sx
@@ -142,12 +143,12 @@ def test_delta_norm_ratio_by_hand():
     centred_j = torch.tensor([[0.5, 0.0, 0.0, 0.5], [0.0, 0.0, 1.0, 0.0]])
     weight = torch.tensor([[0.5] * 4, [1.0] * 4])
     # S_i = 0.5 (1 + 1) + 1 · 4 = 5, S_j = 0.5 (0.25 + 0.25) + 1 · 1 = 1.25: sqrt(5 / 1.25) = 2, either way round.
-    assert dx.delta_norm_ratio(centred_i, centred_j, weight).item() == pytest.approx(2.0)
-    assert dx.delta_norm_ratio(centred_j, centred_i, weight).item() == pytest.approx(2.0)
-    assert dx.delta_norm_ratio(centred_i, 3 * centred_i, weight).item() == pytest.approx(3.0)
+    assert ox.delta_norm_ratio(centred_i, centred_j, weight).item() == pytest.approx(2.0)
+    assert ox.delta_norm_ratio(centred_j, centred_i, weight).item() == pytest.approx(2.0)
+    assert ox.delta_norm_ratio(centred_i, 3 * centred_i, weight).item() == pytest.approx(3.0)
     zero = torch.zeros_like(centred_j)
-    assert math.isinf(dx.delta_norm_ratio(centred_i, zero, weight).item())
-    assert math.isnan(dx.delta_norm_ratio(zero, zero, weight).item())
+    assert math.isinf(ox.delta_norm_ratio(centred_i, zero, weight).item())
+    assert math.isnan(ox.delta_norm_ratio(zero, zero, weight).item())
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -183,7 +184,7 @@ def test_delta_norm_ratio_by_hand():
             r"`composed` must have the base's shape \(3, 4\), got \(2, 4\)",
         ),
         (
-            lambda: dx.delta_norm_ratio(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 5)),
+            lambda: ox.delta_norm_ratio(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 5)),
             r"`centred_i`, `centred_j` and `weight` must have the same shape .* \(2, 4\), \(2, 4\) and \(2, 5\)",
         ),
     ],
@@ -251,9 +252,9 @@ def test_streamed_values_equal_the_pure_functions_on_all_positions(settings):
     assert projective["dominant_shift"] == pytest.approx(float(error[eligible].double().mean()), rel=1e-5)
     assert projective["dominant_shift_fraction"] == pytest.approx(float(eligible.double().mean()), rel=1e-12)
     if settings.full_vocabulary:  # on the top-k union the norms are taken over U
-        centred = dx.centred_deltas(base, experts, centre=settings.centre)
-        weight = dx.overlap_weights(base, experts[0], experts[1], composed)
-        expected = dx.delta_norm_ratio(centred[0], centred[1], weight).item()
+        centred = ox.centred_deltas(base, experts, centre=settings.centre)
+        weight = ox.overlap_weights(base, experts[0], experts[1], composed)
+        expected = ox.delta_norm_ratio(centred[0], centred[1], weight).item()
         assert pair["delta_norm_ratio"] == pytest.approx(expected, rel=1e-5)
 
 
