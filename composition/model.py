@@ -22,7 +22,7 @@ from mergecompose.composition.architecture import check_vocabularies, context_le
 from mergecompose.composition.backend import Backend
 from mergecompose.composition.decoding_config import DecodingConfig, decoding_arguments
 from mergecompose.composition.inputs import check_context, checked_logprobs, prepare_inputs, prepare_prompt
-from mergecompose.composition.kernels.few_row_linear import FewRowKernel
+from mergecompose.composition.kernels.few_row_kernel import FewRowKernel
 from mergecompose.composition.kernels.mixed_head import can_mix, decoding_backend, measure_mixing
 from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch
 from mergecompose.composition.loading import (
@@ -49,7 +49,7 @@ _CLOSED = "this ComposedLM was closed and has given its models back; build a new
 # Inference mode: a composition's passes run outside `torch.inference_mode` even when the caller is inside it
 # (under `no_grad`: no graph is built either way). Inference tensors have no version counter, and without one the
 # shared base's sibling linears cannot tell that they read one input unchanged, so each would compute its group's
-# whole packed product (kernels/few_row_linear.py, `reads_same`): q/k/v's three times; on SmolLM2 at batch 8 that
+# whole packed product (kernels/packed_weights.py, `reads_same`): q/k/v's three times; on SmolLM2 at batch 8 that
 # ran at 0.61× transformers' `generate`, against 0.88× outside it. The caller's inference tensors are read, never
 # changed; what `generate` returns is an ordinary tensor.
 

@@ -12,7 +12,8 @@ from transformers import PreTrainedModel
 
 from mergecompose.composition.architecture import cache_kwarg
 from mergecompose.composition.backend import Caches
-from mergecompose.composition.kernels.few_row_linear import FewRowKernel, FewRowLinears
+from mergecompose.composition.kernels.few_row_kernel import FewRowKernel
+from mergecompose.composition.kernels.few_row_linear import FewRowLinears
 from mergecompose.composition.kv_cache import GrowingCache
 from mergecompose.composition.speculative.drafts import merged_full_draft
 

@@ -87,7 +87,7 @@ def check_adapter_fits(
         shape = tuple(weight.shape)
         if isinstance(module, torch.nn.Linear):
             # Its declared shape: a composition that is open on this base holds the weight packed, the
-            # parameter empty (mergecompose.composition.kernels.few_row_linear).
+            # parameter empty (mergecompose.composition.kernels.packed_weights).
             shape = (module.out_features, module.in_features)
         out_features, in_features = shape[0], shape[-1]
         # Embeddings and transformers' Conv1D (GPT-2) store their weight as (in, out).

@@ -1,240 +1,53 @@
-"""Linear layers over few rows on a CPU: F.linear's x @ Wᵀ or W @ xᵀ, whichever this machine runs faster.
-
-A decoding step of a composition runs its linears over few rows: (k+1)·B with LoRA experts on one base,
-K+1 per row when speculative decoding verifies K drafted tokens, B·T in a short prompt. With the weights
-streaming from memory, as they do in a model at a decoding step, the two kernels cost very different
-amounts, and which one wins depends on the CPU and its BLAS (benchmarks/README.md, "The few-row kernel"):
-on one AVX-512 CPU x @ Wᵀ was the faster up to 8 rows and W @ xᵀ from 9 to 48; on an AVX2 CPU x @ Wᵀ
-over 3 rows took 3.5 times its 1-row time for SmolLM2's output layer, and W @ xᵀ 1.1 times.
+"""Linear layers over few rows on a CPU: each pass with the kernel this machine runs faster, weights packed where
+that pays.
 
 `FewRowLinears` replaces the forward of a model's `nn.Linear` modules by one that, inside `active()`,
-computes a pass over a row count in `TUNED_ROWS` with the kernel `FewRowKernel` chose for it (x @ Wᵀ is
-oneDNN's product where it applies, `x_wt`), and
-`close()` gives every module its own forward back. Both kernels compute the same product; only the order
-of their float sums differs.
+computes a pass over a row count in `TUNED_ROWS` with the kernel `FewRowKernel` chose for it (few_row_kernel.py:
+F.linear's x @ Wᵀ or W @ xᵀ), and `close()` gives every module its own forward back.
 
-**Packed weights.** Better than either, where torch has oneDNN (`torch.backends.mkldnn`): a float32 weight
-reordered once into oneDNN's blocked layout for a few rows (`torch.ops.mkldnn._reorder_linear_weight`, what
-torch's own CPU compiler does for linears), multiplied by `torch.ops.mkldnn._linear_pointwise`. On the AVX2
+**Packed weights** (packed_weights.py). Better than either kernel, where torch has oneDNN: a float32 weight
+reordered once into oneDNN's blocked layout for a few rows. On the AVX2
 CPU of benchmarks/README.md, SmolLM2's 210 decoder linears took 47 ms over 3 rows this way against 61 ms
 for W @ xᵀ and 52 ms for F.linear over 1 row, and less at every row count up to 192; on other CPUs packing has
 cost more than it saved (benchmarks/README.md). So with `pack_model`, `FewRowLinears` times the linears' products
 over `pack_rows` rows at load, dense with each kernel and then packed, all in order as a pass streams them from
 memory (`pack` None, `packing` records the choice), and keeps the faster: the best of a few passes each, dense ones
 first (not interleaved with packed ones: both layouts at once would double the weights' memory). `pack` True or
-False fixes it. Packing is in place: each module's weight parameter keeps its
-identity but holds an empty tensor while the packed copy (the same bytes, reordered) serves every forward,
-so memory does not grow. Siblings that read one input (q/k/v, gate/up: `SAME_INPUT`) are packed as one
-matrix (`PackedGroup`): the first to run computes the product for all and the others take their columns of
-it, so a decoder layer runs 4 oneDNN products at a step instead of 7 (at a few rows a call costs far more
-than its arithmetic; benchmarks/README.md). `close()` puts the dense weight back, bit for bit; `state_dict()`
-meanwhile gives the dense weight, a deep copy packs its own, and `load_state_dict` makes the module dense
-again with what it loads (which `close()` then keeps). The output layer, a weight that another module also holds
-(tied embeddings), or one that is not a float32 CPU matrix stays dense; a forward that needs gradients, runs
-under autocast or gets another dtype multiplies by the dense weight, unpacked for that call.
+False fixes it. Packing is in place, siblings that read one input as one matrix (packed_weights.py); `close()` puts
+the dense weight back, bit for bit (a module that loaded a state dict meanwhile keeps what it loaded). The output
+layer, a weight that another module also holds (tied embeddings), or one that is not a float32 CPU matrix stays
+dense; a forward that needs gradients, runs under autocast or gets another dtype multiplies by the dense weight,
+unpacked for that call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import ctypes
 import functools
-import os
-import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
-from typing import TypeVar, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from mergecompose.composition.kernels.few_row_kernel import TUNED_ROWS, FewRowKernel, dense_product
+from mergecompose.composition.kernels.packed_weights import (
+    PACKED,
+    Packed,
+    PackedGroup,
+    PackedSibling,
+    can_pack,
+    hold_packed,
+    same_input_siblings,
+    trim_heap,
+)
 from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch, best, timed_runs
-
-# A CPU pass over this many rows computes its linears with the kernel `FewRowKernel` chose for it by timing;
-# outside it, with F.linear's x @ Wᵀ.
-TUNED_ROWS = range(2, 65)
 
 # What is added to a linear's output after the product, e.g. LoRA products: (x (N, in), output (N, out), extra) ->
 # output; `extra` is x Eᵀ (N, e) for the module's extra rows E (`FewRowLinears`), or None where it was not computed.
 Addition = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-T = TypeVar("T")
-
-# The instance attribute of a module whose weight is packed (`Packed`).
-PACKED = "_few_rows_packed"
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """True if `weight` can be held in oneDNN's packed layout: a float32 CPU matrix, with oneDNN in this torch."""
-    return (
-        torch.backends.mkldnn.is_available()
-        and type(weight.data) is torch.Tensor
-        and weight.layout == torch.strided
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and weight.dim() == 2
-        and weight.numel() > 0
-    )
-
-
-class Packed:
-    """A linear's weight reordered into oneDNN's blocked layout for `rows` rows (an opaque tensor, same values)."""
-
-    def __init__(self, dense: torch.Tensor, rows: int) -> None:
-        self.rows = rows
-        self.tensor = torch.ops.mkldnn._reorder_linear_weight(dense.detach(), rows)
-
-    def dense(self) -> torch.Tensor:
-        """The weight in its ordinary layout: a new tensor, equal bit for bit to the one packed."""
-        return self.tensor.to_dense()
-
-    def __deepcopy__(self, memo: dict) -> Packed:
-        return Packed(self.dense(), self.rows)  # an opaque tensor has no storage to copy
-
-
-# Linears of one parent that read the same input, in the architectures transformers ships (their names): packed as
-# one matrix (`PackedGroup`), and their LoRA factors A side by side (kernels/stacked_lora.py).
-SAME_INPUT = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"query", "key", "value"}, {"w1", "w3"})
-
-
-def reads_same(kept: torch.Tensor | None, version: int | None, x: torch.Tensor) -> bool:
-    """True if `x` is the tensor `kept` was when `version` was read: the same memory, layout, dtype and version.
-
-    Each linear is given its own view of its input (a reshape), so identity says nothing; `kept` holds that
-    memory, so no other tensor can have been given its address meanwhile. An inference tensor (made under
-    `torch.inference_mode`) has no version counter (`version` None): an in-place change to it could not be
-    seen, so it never reads the same."""
-    return (
-        kept is not None
-        and version is not None
-        and kept.data_ptr() == x.data_ptr()
-        and kept.shape == x.shape
-        and kept.stride() == x.stride()
-        and kept.dtype == x.dtype
-        and version == x._version
-    )
-
-
-def version_of(x: torch.Tensor) -> int | None:
-    """`x`'s version counter, None for an inference tensor (which has none)."""
-    return None if x.is_inference() else x._version
-
-
-class PackedGroup:
-    """Siblings' weights stacked, [W_1; W_2; …; E] (Σ out + e, in), and packed as one: one oneDNN product serves them.
-
-    The first sibling to run computes x [W_1; W_2; …; E]ᵀ; each sibling then given the same input unchanged
-    (`reads_same`) takes its columns of it, once; a sibling given another input, or its own columns a second
-    time, computes the product anew. E (e, in), optional, are extra rows that one member's addition reads (the
-    LoRA factors A of kernels/stacked_lora.py): their product comes with the weights' for the cost of their bytes.
-    A group may have one member, with extra rows."""
-
-    def __init__(self, dense: torch.Tensor, rows: int, sizes: list[int], extra: tuple[int, int] | None = None) -> None:
-        self.rows, self.sizes, self.extra = rows, sizes, extra  # extra: (the member that reads them, e)
-        self.tensor = torch.ops.mkldnn._reorder_linear_weight(dense.detach(), rows)
-        self.x: torch.Tensor | None = None  # the input of the kept product, its version, the product
-        self.version: int | None = None
-        self.output: torch.Tensor | None = None
-        self.taken: set[int] = set()  # the siblings that took their columns of it
-
-    def dense(self) -> torch.Tensor:
-        return self.tensor.to_dense()
-
-    def product(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        """x [W_1; W_2; …]ᵀ (N, Σ out), computed anew unless sibling `index` has not yet taken this input's.
-
-        Once every sibling has taken its columns, the product and its input are let go: kept until the pass's
-        end, a prompt pass's products of every layer would be held at once."""
-        output = self.output
-        if output is None or index in self.taken or not reads_same(self.x, self.version, x):
-            output = torch.ops.mkldnn._linear_pointwise(x, self.tensor, None, "none", [], "")
-            self.x, self.version, self.output, self.taken = x, version_of(x), output, set()
-        self.taken.add(index)
-        if len(self.taken) == len(self.sizes):
-            self.clear()
-        return output
-
-    def clear(self) -> None:
-        self.x, self.version, self.output, self.taken = None, None, None, set()
-
-    def __deepcopy__(self, memo: dict) -> PackedGroup:
-        return PackedGroup(self.dense(), self.rows, self.sizes, self.extra)  # an opaque tensor has no storage
-
-
-class PackedSibling:
-    """One module's rows of a `PackedGroup`."""
-
-    def __init__(self, group: PackedGroup, index: int) -> None:
-        self.group, self.index = group, index
-        self.start = sum(group.sizes[:index])
-        self.end = self.start + group.sizes[index]
-        # The columns of the group's extra rows, if this member reads them.
-        self.extra: slice | None = None
-        if group.extra is not None and group.extra[0] == index:
-            total = sum(group.sizes)
-            self.extra = slice(total, total + group.extra[1])
-
-    def dense(self) -> torch.Tensor:
-        """This module's weight in its ordinary layout: a new tensor, equal bit for bit to the one packed."""
-        return self.group.dense()[self.start : self.end].clone()
-
-    def __deepcopy__(self, memo: dict) -> PackedSibling:
-        return PackedSibling(copy.deepcopy(self.group, memo), self.index)  # siblings copied together share one
-
-
-def _dense_in_state_dict(module: torch.nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
-    """A state-dict post-hook: a packed module's weight as its dense matrix, not the empty placeholder."""
-    packed = module.__dict__.get(PACKED)
-    if packed is not None and prefix + "weight" in state_dict:
-        state_dict[prefix + "weight"] = packed.dense()
-
-
-def _unpack_before_loading(module: torch.nn.Module, *_: object) -> None:
-    """A load-state-dict pre-hook: a packed module gets its dense weight back, which the load then overwrites
-    (a deep copy made while a composition is open, as `TaskVector.apply_to` makes, loads its new weights)."""
-    packed = module.__dict__.pop(PACKED, None)
-    if packed is not None:
-        module._parameters["weight"].data = packed.dense()  # type: ignore[union-attr]
-
-
-class FewRowKernel:
-    """Which kernel computes a linear over few rows on this CPU: F.linear's x @ Wᵀ or W @ xᵀ, chosen by timing.
-
-    For each row count the first `2 · trials` passes alternate the two, timing each pass's linears, and
-    later passes take the one with the smaller best time (module docstring)."""
-
-    KERNELS = ("x_wt", "w_xt")
-    # Trial passes recorded in this process, by every instance: a loop that times its own rounds (speculative
-    # decoding's adaptive K) leaves a round with a trial in it untimed.
-    trial_passes = 0
-
-    def __init__(self, trials: int = 2, stopwatch: Stopwatch | None = None) -> None:
-        self.trials = trials
-        self.stopwatch = Stopwatch() if stopwatch is None else stopwatch  # times each linear of a trial pass
-        self.seconds: dict[int, dict[str, list[float]]] = {}  # rows -> kernel -> timed passes
-        self.chosen: dict[int, str] = {}
-
-    def kernel(self, rows: int) -> str:
-        """The kernel of the next pass over `rows` rows (a trial while the choice is not made)."""
-        if rows in self.chosen:
-            return self.chosen[rows]
-        timed = self.seconds.get(rows, {})
-        counts = [len(timed.get(kernel, [])) for kernel in self.KERNELS]
-        return self.KERNELS[0] if counts[0] <= counts[1] else self.KERNELS[1]
-
-    def timing(self, rows: int) -> bool:
-        """True while passes over `rows` rows are trials, to be timed and `record`ed."""
-        return rows not in self.chosen
-
-    def record(self, rows: int, kernel: str, seconds: float) -> None:
-        """A trial pass's time; after `trials` passes of each kernel, the one with the smaller best time is chosen."""
-        timed = self.seconds.setdefault(rows, {name: [] for name in self.KERNELS})
-        timed[kernel].append(seconds)
-        FewRowKernel.trial_passes += 1
-        if all(len(times) >= self.trials for times in timed.values()):
-            self.chosen[rows] = min(self.KERNELS, key=lambda name: min(timed[name]))
 
 
 class FewRowLinears:
@@ -352,14 +165,7 @@ class FewRowLinears:
 
     def _pack(self, module: torch.nn.Module, packed: Packed | PackedSibling) -> None:
         weight = cast(torch.nn.Parameter, module._parameters["weight"])
-        module.__dict__[PACKED] = packed
-        _release_pages(weight)
-        weight.data = weight.data.new_empty(0)  # the dense bytes are freed; the parameter stays the same object
-        handles = [
-            module.register_state_dict_post_hook(_dense_in_state_dict),
-            module.register_load_state_dict_pre_hook(_unpack_before_loading),
-        ]
-        self._packed.append((module, weight, handles))
+        self._packed.append((module, weight, hold_packed(module, packed)))
 
     @classmethod
     def of_models(cls, models: Iterable[torch.nn.Module], kernel: FewRowKernel | None = None) -> FewRowLinears:
@@ -503,34 +309,6 @@ class FewRowLinears:
         self._patched = []
 
 
-def dense_product(kernel: str, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """rows Wᵀ (+ b), (N, out), by `kernel`: "x_wt" (`x_wt`) or "w_xt" (W @ xᵀ, transposed back)."""
-    if kernel == "w_xt":
-        output = torch.mm(weight, rows.T).T.contiguous()
-        return output if bias is None else output + bias
-    return x_wt(rows, weight, bias)
-
-
-def x_wt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ Wᵀ (+ b): oneDNN's product with the dense weight where it applies (float32 on a CPU, no gradient, no
-    autocast), which ran SmolLM2's output layer over 1 to 24 rows in about half F.linear's time on the AVX2 CPU;
-    F.linear elsewhere."""
-    if (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-        and x.device.type == "cpu"
-        and type(weight.data) is torch.Tensor
-        and weight.layout == torch.strided
-        and torch.backends.mkldnn.is_available()
-        and not torch.is_autocast_enabled("cpu")
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and not (bias is not None and torch.is_grad_enabled() and bias.requires_grad)
-    ):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
 def _trial_inputs(units: list[list[torch.nn.Module]], rows: int) -> list[torch.Tensor]:
     """A seeded random input of `rows` rows for each unit (siblings read one input), one per input size."""
     generator = torch.Generator().manual_seed(0)
@@ -588,57 +366,6 @@ def _packed_pass(units: list[list[torch.nn.Module]], inputs: list[torch.Tensor])
                 torch.ops.mkldnn._linear_pointwise(x, tensor, bias, "none", [], "")
 
     return run
-
-
-def _release_pages(weight: torch.Tensor) -> None:
-    """Give the pages of `weight`'s bytes back to the system now, where nothing else holds them (Linux).
-
-    A checkpoint loaded from safetensors keeps its tensors in a file mapping, whose pages stay resident when a
-    tensor is dropped; `madvise(MADV_DONTNEED)` on the pages that hold only this tensor's bytes releases them
-    (a private file mapping refills a page from the file if it is read again; nothing reads these). Skipped
-    where another tensor shares the storage, or the call is not available."""
-    if not sys.platform.startswith("linux"):
-        return
-    storage = weight.untyped_storage()
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    # Two uses: the parameter's tensor and `storage` here. More: an alias somewhere else still reads the bytes.
-    if use_count is None or use_count(storage._cdata) > 2:
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = -(-storage.data_ptr() // page) * page  # whole pages inside the tensor's bytes only
-    end = (storage.data_ptr() + storage.nbytes()) // page * page
-    if end > start:
-        _libc().madvise(start, end - start, _MADV_DONTNEED)
-
-
-_MADV_DONTNEED = 4
-
-
-def trim_heap() -> None:
-    """Give the free memory of the C heap back to the system (glibc's `malloc_trim`, Linux): packing copies each
-    group's weights into a temporary matrix, and the heap keeps the pages of those it freed; so do timing trials."""
-    if sys.platform.startswith("linux") and hasattr(_libc(), "malloc_trim"):
-        _libc().malloc_trim(0)
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise.restype = ctypes.c_int
-    return libc
-
-
-def same_input_siblings(items: Iterable[tuple[str, T]]) -> list[list[T]]:
-    """Of `(module path, item)` pairs, the items of siblings named in `SAME_INPUT` under one parent, two or more,
-    in the order given."""
-    by_parent: dict[tuple[str, int], list[T]] = {}
-    for path, item in items:
-        parent, _, name = path.rpartition(".")
-        for index, names in enumerate(SAME_INPUT):
-            if name in names:
-                by_parent.setdefault((parent, index), []).append(item)
-    return [members for members in by_parent.values() if len(members) > 1]
 
 
 def _sibling_groups(model: torch.nn.Module, modules: list[torch.nn.Module]) -> list[list[torch.nn.Module]]:

@@ -21,7 +21,8 @@ import torch
 from transformers import PreTrainedModel
 
 from mergecompose.composition.backend import Backend, Caches
-from mergecompose.composition.kernels.few_row_linear import trim_heap, x_wt
+from mergecompose.composition.kernels.few_row_kernel import x_wt
+from mergecompose.composition.kernels.packed_weights import trim_heap
 from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch, fastest
 from mergecompose.composition.remedies import step_composer
 from mergecompose.composition.rule import check_scores

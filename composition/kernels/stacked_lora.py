@@ -36,13 +36,9 @@ from typing import Any, cast
 import torch
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-from mergecompose.composition.kernels.few_row_linear import (
-    FewRowKernel,
-    FewRowLinears,
-    reads_same,
-    same_input_siblings,
-    version_of,
-)
+from mergecompose.composition.kernels.few_row_kernel import FewRowKernel
+from mergecompose.composition.kernels.few_row_linear import FewRowLinears
+from mergecompose.composition.kernels.packed_weights import reads_same, same_input_siblings, version_of
 from mergecompose.composition.kernels.stopwatch import Stopwatch
 
 # Up to this many expert rows, the LoRA products take the side-by-side path (module docstring).
@@ -91,7 +87,7 @@ class _SharedInput:
         self.hidden: torch.Tensor | None = None
 
     def reads(self, x: torch.Tensor) -> bool:
-        """True if `x` is the input the product was computed from, unchanged (`few_row_linear.reads_same`): an inference
+        """True if `x` is the input the product was computed from, unchanged (`packed_weights.reads_same`): an inference
         tensor never is, so each sibling then computes its own product."""
         return reads_same(self.x, self.version, x)
 
@@ -164,7 +160,7 @@ class StackedLoRA:
                 self._handles.append(module.register_forward_hook(self._hook(stacked[path])))
         # The shared base's linears run over (k+1)·B rows at a decoding step: their weights packed where oneDNN
         # can and it is faster here (the base's own bytes, reordered in place until `close()`), else the few-row
-        # kernel (few_row_linear.py), each chosen by timing.
+        # kernel (few_row_kernel.py), each chosen by timing.
         self.linears = FewRowLinears(
             linears,
             FewRowKernel(stopwatch=stopwatch),

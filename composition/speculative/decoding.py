@@ -25,7 +25,7 @@ from mergecompose.composition.architecture import bias_dtype, has_sliding_window
 from mergecompose.composition.backend import Backend, Caches
 from mergecompose.composition.decoding_config import DecodingConfig
 from mergecompose.composition.inputs import Prompt
-from mergecompose.composition.kernels.few_row_linear import FewRowKernel
+from mergecompose.composition.kernels.few_row_kernel import FewRowKernel
 from mergecompose.composition.sampling import NAN_COMPOSITION, NO_STREAM, Compose, Sampler, TokenStream
 from mergecompose.composition.separate_models import SeparateModels
 from mergecompose.composition.speculative.acceptance import greedy_accepted, outcome_probabilities, round_tokens
@@ -138,7 +138,7 @@ def speculative_decode(
             stream.put(state.output[0, state.prompt_length + shown : state.prompt_length + int(state.emitted[0])])
             shown = int(state.emitted[0])
         # Not timed: a round whose draft caught up with many tokens, or with a pass that tried a few-row kernel
-        # (few_row_linear.py; a trial of the slower kernel can cost several plain passes and would set t_d for long).
+        # (few_row_kernel.py; a trial of the slower kernel can cost several plain passes and would set t_d for long).
         timed = (count == 0 or unseen <= 3) and FewRowKernel.trial_passes == trials_before
         tests = state.stats.tested - tested
         lengths.update(count, state.stats.accepted - accepted_before, tests, seconds if timed else None)

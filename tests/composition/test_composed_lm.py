@@ -10,7 +10,7 @@ from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaForCausalLM, Text
 from transformers.generation.streamers import BaseStreamer
 
 from mergecompose.composition import ComposedLM, DecodingConfig, compose_logprobs
-from mergecompose.composition.kernels.few_row_linear import PACKED
+from mergecompose.composition.kernels.packed_weights import PACKED
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama, random_lora_adapter, tiny_llama_config
 
 
@@ -278,7 +278,7 @@ def test_nan_logits_raise(tiny_config):
 
 def test_lists_are_taken_as_tensors(composed_full):
     ids, mask = left_padded_batch([3, 5])
-    # Close, not equal: while the few-row kernel is still timing its two kernels (kernels/few_row_linear.py), two passes
+    # Close, not equal: while the few-row kernel is still timing its two kernels (kernels/few_row_kernel.py), two passes
     # over the same rows may run different kernels, whose float sums differ in the last bits.
     torch.testing.assert_close(composed_full.logprobs(ids.tolist(), mask.tolist()), composed_full.logprobs(ids, mask))
     assert torch.equal(

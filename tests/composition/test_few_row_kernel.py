@@ -13,7 +13,7 @@ import torch
 
 from mergecompose.composition import ComposedLM
 from mergecompose.composition.kernels import few_row_linear
-from mergecompose.composition.kernels.few_row_linear import FewRowKernel
+from mergecompose.composition.kernels.few_row_kernel import FewRowKernel
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""The shared base's linears with oneDNN-packed weights (kernels/few_row_linear.py): same results, same memory,
+"""The shared base's linears with oneDNN-packed weights (kernels/packed_weights.py): same results, same memory,
 given back.
 
 While a stacked LoRA composition is open, its base's decoder linears hold their weights in oneDNN's packed layout
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.kernels import few_row_linear
-from mergecompose.composition.kernels.few_row_linear import PACKED, Packed, PackedSibling
+from mergecompose.composition.kernels import packed_weights
+from mergecompose.composition.kernels.packed_weights import PACKED, Packed, PackedSibling
 from mergecompose.core.tiny import EOS, PAD, left_padded_batch, random_llama
 from mergecompose.merging import TaskVector
 
@@ -106,11 +106,11 @@ def test_a_weight_held_elsewhere_keeps_its_bytes(tiny_config, lora_dirs):
 def test_pages_are_released_only_where_nothing_else_holds_them():
     held = torch.ones(1 << 20)  # 4 MiB: many whole pages
     alias = held.view(-1)
-    few_row_linear._release_pages(held)
+    packed_weights._release_pages(held)
     assert bool((alias == 1).all())  # shared: left alone
     del alias
     alone = torch.ones(1 << 20)
-    few_row_linear._release_pages(alone)
+    packed_weights._release_pages(alone)
     # Anonymous memory comes back as zeros: the pages were given back (nothing reads them in real use).
     assert float(alone.sum()) < alone.numel()
 

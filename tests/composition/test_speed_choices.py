@@ -12,13 +12,9 @@ import pytest
 import torch
 
 from mergecompose.composition import ComposedLM
-from mergecompose.composition.kernels.few_row_linear import (
-    PACKED,
-    TUNED_ROWS,
-    FewRowKernel,
-    FewRowLinears,
-    PackedGroup,
-)
+from mergecompose.composition.kernels.few_row_kernel import TUNED_ROWS, FewRowKernel
+from mergecompose.composition.kernels.few_row_linear import FewRowLinears
+from mergecompose.composition.kernels.packed_weights import PACKED, PackedGroup
 from mergecompose.composition.kernels.stacked_lora import StackedLoRA
 from mergecompose.composition.kernels.stopwatch import Stopwatch, best, fastest, timed_runs
 from mergecompose.core.adapters import load_adapters_on_base
