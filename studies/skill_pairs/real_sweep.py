@@ -48,7 +48,7 @@ from mergecompose.studies.math_code.chat_data import chat_format, end_of_turn_id
 from mergecompose.studies.predict.paired_verdict import real_settings
 from mergecompose.studies.predict.paired_verdict_report import GAP_PLOT, plot_diagnostics_against_gap
 from mergecompose.studies.skill_pairs.setting_run import SettingRun
-from mergecompose.studies.skill_pairs.skill_data import CONTENT_SKILLS, SKILLS, joint_items, skill_items
+from mergecompose.studies.skill_pairs.skill_data import joint_items, pair_problem, skill_items
 from mergecompose.studies.skill_pairs.skill_experts import SkillRecipe, check_expert_bar, train_skill_expert
 
 CACHED = ("experts", "bars", "settings")
@@ -94,16 +94,9 @@ class RealSweepConfig(StrictModel):
     @classmethod
     def _known_skills(cls, settings: list[tuple[str, str]]) -> list[tuple[str, str]]:
         for index, (first, second) in enumerate(settings):
-            for skill in (first, second):
-                if skill not in SKILLS:
-                    raise ValueError(
-                        f"`settings[{index}]` names {skill!r}, a skill with no generator or scorer; "
-                        f"the skills are {', '.join(SKILLS)}"
-                    )
-            if first not in CONTENT_SKILLS:
-                raise ValueError(f"`settings[{index}]`: the first skill must be a content skill, got {first!r}")
-            if first == second:
-                raise ValueError(f"`settings[{index}]` must name two skills, got {first!r} twice")
+            problem = pair_problem(first, second)
+            if problem is not None:
+                raise ValueError(f"`settings[{index}]`: {problem}")
         if len(set(settings)) != len(settings):
             raise ValueError("`settings` must not repeat a pair")
         return settings

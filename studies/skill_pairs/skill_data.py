@@ -6,10 +6,13 @@ Two kinds of skill, each one expert:
   `dates` (an ISO date written in words), `sort` (four numbers, smallest first);
 * a **format** skill decides how the answer is written, whatever it says: `json` (`{"answer": "…"}`),
   `brackets` (the answer in square brackets), `signature` (a closing line `— SmolLM`). Its expert is
-  trained on easy questions the base already answers (`_easy_item`), so that it learns the format alone.
+  trained on easy questions the base already answers (`_easy_item`), so that it learns the format alone;
+* a **style** skill rewrites the whole answer: `capitals`, `opening`, `one_sentence` (`style_data`, which says
+  how its expert learns it from the base's own answers); `signature` pairs with them as a style.
 
 A **joint** item needs two skills (`joint_items`): *simultaneous*, a content skill's question asked in a
-format skill's form; or *sequential*, two content questions answered one after the other, one per line.
+format or style skill's form; *sequential*, two content questions answered one after the other, one per line;
+or *two styles*, a general question asked with both styles' instructions.
 
 Every skill has its own phrasings (templates) per split: the train split's are disjoint from those of
 the validation and test splits, which share theirs and are told apart by their items (`skill_items` draws
@@ -24,12 +27,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mergecompose.studies.math_code.splits import check_count, check_split
+from mergecompose.studies.skill_pairs.style_data import (
+    STYLE_PHRASINGS,
+    STYLE_SKILLS,
+    WHOLE_ANSWER_STYLES,
+    restyled,
+    style_question,
+)
 
 CONTENT_SKILLS = ("units", "dates", "sort")
 FORMAT_SKILLS = ("json", "brackets", "signature")
-SKILLS = CONTENT_SKILLS + FORMAT_SKILLS
+SKILLS = CONTENT_SKILLS + FORMAT_SKILLS + STYLE_SKILLS
 SIGNATURE = "— SmolLM"
 HELD_OUT = ("validation", "test")
+VACUOUS = {("sort", "capitals"): "a sorted list has no letters, so any answer would be in capitals"}
 
 
 @dataclass(frozen=True)
@@ -37,7 +48,9 @@ class SkillItem:
     """One prompt of one skill (or of two, for a joint item), its reference answer, and what is scored.
 
     `skills` names the skills the item needs; `content` the content answers the scorers look for, one per
-    content skill, in order; `form` the format skill's name where one applies (else None).
+    content skill, in order; `form` the format skill's name where one applies (else None). A style item's
+    `answer` is "" where it rewrites the base's own answer (known only once the base answers `question`, the
+    question without the instructions).
     """
 
     prompt: str
@@ -46,6 +59,7 @@ class SkillItem:
     content: tuple[str, ...] = ()
     form: str | None = None
     template: str = field(default="", compare=False)
+    question: str = field(default="", compare=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +156,7 @@ def _easy_item(rng: random.Random) -> tuple[str, str]:
 def phrasings(skill: str, split: str) -> list[str]:
     """The templates of `skill` in `split`: the train split's, or the held-out splits' (shared)."""
     check_split(split)
-    table = CONTENT[skill][0] if skill in CONTENT else FORMAT_PHRASINGS.get(skill)
+    table = CONTENT[skill][0] if skill in CONTENT else FORMAT_PHRASINGS.get(skill, STYLE_PHRASINGS.get(skill))
     if table is None:
         raise ValueError(f"`skill` must be one of {', '.join(SKILLS)}, got {skill!r}")
     return table["train" if split == "train" else "held_out"]
@@ -153,6 +167,9 @@ def _one(skill: str, split: str, rng: random.Random) -> SkillItem:
     if skill in CONTENT:
         prompt, answer = CONTENT[skill][1](rng, template)
         return SkillItem(prompt, answer, (skill,), (answer,), None, template)
+    if skill in STYLE_SKILLS:
+        question = style_question(rng, "train" if split == "train" else "held_out")
+        return SkillItem(f"{question} {template}", "", (skill,), (), None, template, question)
     question, content = _easy_item(rng)
     return SkillItem(f"{question} {template}", formatted(skill, content), (skill,), (content,), skill, template)
 
@@ -184,30 +201,59 @@ def skill_items(skill: str, split: str, count: int, seed: int = 0) -> list[Skill
     return _draw(lambda rng: _one(skill, split, rng), count, _split_seed(split, seed, skill), exclude)
 
 
+def pair_problem(first: str, second: str) -> str | None:
+    """What makes `(first, second)` no pair of `joint_items` (a phrase that names the skill and what is allowed), or
+    None for a pair."""
+    for order, skill in (("first", first), ("second", second)):
+        if skill not in SKILLS:
+            return f"the {order} skill {skill!r} has no generator or scorer; the skills are {', '.join(SKILLS)}"
+    if first not in CONTENT_SKILLS + STYLE_SKILLS:
+        allowed = ", ".join(CONTENT_SKILLS + STYLE_SKILLS)
+        return f"the first skill must be a content skill or a style ({allowed}), got {first!r}"
+    if first in STYLE_SKILLS and second not in WHOLE_ANSWER_STYLES:
+        allowed = ", ".join(WHOLE_ANSWER_STYLES)
+        return f"after the style {first!r} the second skill must be a style ({allowed}), got {second!r}"
+    if first == second:
+        return f"two skills are needed, got {first!r} twice"
+    if (first, second) in VACUOUS:
+        return f"{first} + {second}: {VACUOUS[first, second]}; pair {second!r} with another skill"
+    return None
+
+
 def joint_items(first: str, second: str, split: str, count: int, seed: int = 0) -> list[SkillItem]:
     """`count` items that need both skills, from `split`'s templates of each.
 
     * content + format (simultaneous): the content question with the format's instruction; the reference
       is the content answer in that format;
+    * content + style (simultaneous): the content question with the style's instruction; the reference is
+      the content answer in that style;
     * content + content (sequential): the first question, then "Then, " and the second; the reference is
-      the two answers, one per line, in that order.
+      the two answers, one per line, in that order;
+    * style + style (`signature` among them, second): a general question with both instructions; no
+      reference (the base's own answer, rewritten, is not known here).
     """
-    for name, skill in (("first", first), ("second", second)):
-        if skill not in SKILLS:
-            raise ValueError(f"`{name}` must be one of {', '.join(SKILLS)}, got {skill!r}")
-    if first not in CONTENT_SKILLS:
-        raise ValueError(f"`first` must be a content skill ({', '.join(CONTENT_SKILLS)}), got {first!r}")
-    if first == second:
-        raise ValueError(f"`first` and `second` must be two skills, got {first!r} twice")
+    problem = pair_problem(first, second)
+    if problem is not None:
+        raise ValueError(f"`first`, `second` = {first!r}, {second!r}: {problem}")
     check_split(split)
     check_count(count)
 
     def make(rng: random.Random) -> SkillItem:
+        if first in STYLE_SKILLS:
+            question = style_question(rng, "train" if split == "train" else "held_out")
+            first_instruction = rng.choice(phrasings(first, split))
+            second_instruction = rng.choice(phrasings(second, split))
+            prompt = f"{question} {first_instruction} {second_instruction}"
+            form = second if second in FORMAT_SKILLS else None
+            return SkillItem(prompt, "", (first, second), (), form, first_instruction, question)
         a = _one(first, split, rng)
-        if second in FORMAT_SKILLS:
+        if second in FORMAT_SKILLS + STYLE_SKILLS:
             instruction = rng.choice(phrasings(second, split))
-            answer = formatted(second, a.answer)
-            return SkillItem(f"{a.prompt} {instruction}", answer, (first, second), a.content, second, a.template)
+            if second in FORMAT_SKILLS:
+                answer, form = formatted(second, a.answer), second
+            else:
+                answer, form = restyled(second, a.answer), None
+            return SkillItem(f"{a.prompt} {instruction}", answer, (first, second), a.content, form, a.template)
         b = _one(second, split, rng)
         prompt = f"{a.prompt} Then, {b.prompt[0].lower()}{b.prompt[1:]}"
         return SkillItem(prompt, f"{a.answer}\n{b.answer}", (first, second), a.content + b.content, None, a.template)

@@ -5,6 +5,11 @@ distinct training items, drawn from the skill's train templates (`skill_items(sk
 `train_skill_expert` keeps each expert in `CACHE/experts/<skill>-<kind>-<hash>`, the hash of the recipe, the
 base's files and the training items, so every setting that uses a skill shares its one expert, and a rerun on
 this machine or another finds it again.
+
+A style expert (`style_data`) is trained on the base's own answers: the base answers each training item's
+question alone (greedy, `STYLE_ANSWER_TOKENS` at most, cut to whole sentences), and the expert learns the
+question with the style's instruction → that answer rewritten in the style. The base's answers are part of the
+training and its time; the cache key names them by the base, the questions and the token budget.
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from pydantic import Field
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mergecompose.studies.chat_training import AdapterRecipe, expert_key, resolved, train_on_pairs, whole_folder
+from mergecompose.studies.skill_pairs.setting_run import model_answers
 from mergecompose.studies.skill_pairs.skill_data import SkillItem, skill_items
+from mergecompose.studies.skill_pairs.style_data import STYLE_SKILLS, restyled, whole_sentences
 
-SkillName = Literal["units", "dates", "sort", "json", "brackets", "signature"]
+SkillName = Literal["units", "dates", "sort", "json", "brackets", "signature", "capitals", "opening", "one_sentence"]
+STYLE_ANSWER_TOKENS = 40  # the base's own answers, before they are cut to whole sentences
 
 
 class SkillRecipe(AdapterRecipe):
@@ -38,7 +46,11 @@ def training_items(recipe: SkillRecipe) -> list[SkillItem]:
 
 def skill_expert_folder(base: str | os.PathLike, recipe: SkillRecipe, cache: str | os.PathLike) -> Path:
     """Where `train_skill_expert` keeps the expert of `recipe` on `base` (nothing is trained)."""
-    data = [[item.prompt, item.answer] for item in training_items(recipe)]
+    if recipe.skill in STYLE_SKILLS:  # the answers are the base's own, rewritten: named by what makes them
+        data = [[item.prompt, f"{recipe.skill}(base answer to {item.question!r}, {STYLE_ANSWER_TOKENS} tokens)"]
+                for item in training_items(recipe)]  # fmt: skip
+    else:
+        data = [[item.prompt, item.answer] for item in training_items(recipe)]
     key = expert_key(resolved(recipe).model_dump(mode="json"), base, data)
     return Path(cache) / "experts" / f"{recipe.skill}-{recipe.kind}-{key}"
 
@@ -53,8 +65,21 @@ def train_skill_expert(
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    pairs = [(item.prompt, item.answer) for item in training_items(recipe)]
-    record = {"base": str(base), "examples": {"kept": len(pairs)}}
+    items = training_items(recipe)
+    record: dict = {"base": str(base)}
+    if recipe.skill in STYLE_SKILLS:
+        model.eval()
+        own = model_answers(model, tokenizer, [item.question for item in items], STYLE_ANSWER_TOKENS, 32)
+        pairs = [
+            (item.prompt, restyled(recipe.skill, whole_sentences(answer)))
+            for item, answer in zip(items, own)
+            if whole_sentences(answer)  # the base said nothing: nothing to rewrite
+        ]
+        seconds = round(time.perf_counter() - started, 1)
+        record["base_answers"] = {"seconds": seconds, "empty": len(items) - len(pairs), "first": pairs[:3]}
+    else:
+        pairs = [(item.prompt, item.answer) for item in items]
+    record["examples"] = {"kept": len(pairs)}
     return train_on_pairs(model, tokenizer, pairs, recipe, folder, f"{recipe.skill} expert", progress, record, started)
 
 

@@ -6,6 +6,10 @@
 * a **format** part is right, leniently, when the output holds the form anywhere (a JSON object with an
   `answer` string, a `[…]`, a last line with `SmolLM`); strictly, when the whole output is that form
   (parses as `{"answer": "…"}` alone, is one `[…]`, ends with the line `— SmolLM`);
+* a **style** part (`style_found`) is right when the whole output is in the style: no lowercase letter
+  (`capitals`), starting with `In short:` (`opening`), one sentence (`one_sentence`); strictly and leniently
+  alike. Beside `capitals` the content and the signature are found whatever their case, and the strict
+  content is compared out of the style (without the opening, case ignored beside `capitals`);
 * a **joint** item is right when both its parts are, by the same scorers (`score_item`).
 """
 
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 from mergecompose.studies.math_code.scoring import Score
 from mergecompose.studies.skill_pairs.skill_data import CONTENT_SKILLS, SIGNATURE, SkillItem
+from mergecompose.studies.skill_pairs.style_data import OPENING, SENTENCE_END, STYLE_SKILLS
 
 NUMBER = re.compile(r"\d[\d,]*")
 
@@ -94,19 +99,51 @@ def form_found(form: str, output: str) -> bool:
     raise ValueError(f"`form` must be a format skill, got {form!r}")
 
 
+def _without_signature(text: str) -> str:
+    """`text` without a last line that holds the signature (in any case)."""
+    lines = text.strip().splitlines()
+    if len(lines) >= 2 and "smollm" in lines[-1].casefold():
+        return "\n".join(lines[:-1]).strip()
+    return text.strip()
+
+
+def style_found(style: str, output: str) -> bool:
+    """Whether the whole `output` (but a closing signature line) is in `style`."""
+    text = _without_signature(output)
+    if style == "capitals":
+        return bool(text) and not any(char.islower() for char in text)  # an answer of digits only passes
+    if style == "opening":
+        return text.casefold().startswith(OPENING.casefold())
+    if style == "one_sentence":
+        return bool(text) and len(SENTENCE_END.split(text)) == 1
+    raise ValueError(f"`style` must be one of {', '.join(STYLE_SKILLS)}, got {style!r}")
+
+
 def score_item(item: SkillItem, output: str) -> ItemScore:
     """`output` scored against `item`: one part per skill the item needs."""
     if not isinstance(output, str):
         raise ValueError(f"`output` must be a str, got {type(output).__name__}")
+    capitals = "capitals" in item.skills
     inner = unformatted(item.form, output)
+    if inner is not None and "opening" in item.skills and inner.casefold().startswith(OPENING.casefold()):
+        inner = inner[len(OPENING) :].strip()
     content_skills = [skill for skill in item.skills if skill in CONTENT_SKILLS]
     parts = {}
     if content_skills:
         strict_lines = None if inner is None else inner.strip().splitlines()
         for index, (skill, reference) in enumerate(zip(content_skills, item.content)):
             strict = strict_lines is not None and len(strict_lines) == len(content_skills)
-            strict = strict and strict_lines[index].strip() == reference  # type: ignore[index]
-            parts[skill] = Score(strict, content_found(skill, reference, output))
+            line = strict_lines[index].strip() if strict else ""  # type: ignore[index]
+            strict = strict and (line.casefold() == reference.casefold() if capitals else line == reference)
+            found = content_found(skill, reference.casefold(), output.casefold()) if capitals else None
+            parts[skill] = Score(strict, found if found is not None else content_found(skill, reference, output))
     if item.form is not None:
-        parts[item.form] = Score(inner is not None, form_found(item.form, output))
+        found = form_found(item.form, output)
+        if capitals and item.form == "signature":
+            lines = output.strip().splitlines()
+            found = bool(lines) and "smollm" in lines[-1].casefold()
+        parts[item.form] = Score(inner is not None, found)
+    for style in (skill for skill in item.skills if skill in STYLE_SKILLS):
+        found = style_found(style, output)
+        parts[style] = Score(found, found)
     return ItemScore(parts)

@@ -54,7 +54,11 @@ def test_validation_and_test_share_no_item(skill):
 @pytest.mark.parametrize("second", SKILLS)
 def test_joint_items_need_both_skills_and_their_references_score_right(first, second):
     if first == second:
-        with pytest.raises(ValueError, match="two skills"):
+        with pytest.raises(ValueError, match="two skills are needed"):
+            joint_items(first, second, "test", 5)
+        return
+    if (first, second) == ("sort", "capitals"):
+        with pytest.raises(ValueError, match="has no letters"):
             joint_items(first, second, "test", 5)
         return
     items = joint_items(first, second, "test", 40)
@@ -68,6 +72,8 @@ def test_joint_items_need_both_skills_and_their_references_score_right(first, se
         # An answer with one part only is wrong on the joint item.
         if second in FORMAT_SKILLS:
             assert not score_item(item, item.content[0]).strict
+        elif second == "one_sentence":  # a bare content answer is one sentence already
+            assert score_item(item, f"{item.content[0]}. And more.").parts["one_sentence"].lenient is False
         else:
             assert not score_item(item, item.content[0]).lenient
 
@@ -147,7 +153,7 @@ def test_bad_arguments_are_named():
         skill_items("french", "test", 3)
     with pytest.raises(ValueError, match="`split` must be one of"):
         skill_items("units", "dev", 3)
-    with pytest.raises(ValueError, match="`first` must be a content skill"):
+    with pytest.raises(ValueError, match="the first skill must be a content skill"):
         joint_items("json", "units", "test", 3)
     with pytest.raises(ValueError, match="`output` must be a str"):
         score_item(skill_items("units", "test", 1)[0], None)

@@ -57,19 +57,20 @@ CASES = [
         "real-sweep-a-part-without-a-scorer",
         "clear",
         _config(settings=[["units", "french"]]),
-        r"`settings\[0\]` names 'french', a skill with no generator or scorer; the skills are units, dates",
+        r"`settings\[0\]`: the second skill 'french' has no generator or scorer; the skills are units, dates",
     ),
     Case(
         "real-sweep-a-format-first",
         "clear",
         _config(settings=[["json", "units"]]),
-        r"`settings\[0\]`: the first skill must be a content skill, got 'json'",
+        r"`settings\[0\]`: the first skill must be a content skill or a style \(units, dates, sort, capitals, "
+        r"opening, one_sentence\), got 'json'",
     ),
     Case(
         "real-sweep-one-skill-twice",
         "clear",
         _config(settings=[["units", "units"]]),
-        r"`settings\[0\]` must name two skills, got 'units' twice",
+        r"`settings\[0\]`: two skills are needed, got 'units' twice",
     ),
     Case(
         "real-sweep-a-recipe-field-that-does-not-exist",
