@@ -22,9 +22,8 @@ from mergecompose.composition.architecture import check_vocabularies, context_le
 from mergecompose.composition.backend import Backend
 from mergecompose.composition.decoding_config import DecodingConfig, decoding_arguments
 from mergecompose.composition.inputs import check_context, checked_logprobs, prepare_inputs, prepare_prompt
-from mergecompose.composition.kernels.few_row_kernel import FewRowKernel
-from mergecompose.composition.kernels.mixed_head import can_mix, decoding_backend, measure_mixing
-from mergecompose.composition.kernels.stopwatch import Choice, Stopwatch
+from mergecompose.composition.kernels.mixed_head import decoding_backend
+from mergecompose.composition.kernels.stopwatch import Stopwatch
 from mergecompose.composition.loading import (
     PretrainedSources,
     check_adapter_arguments,
@@ -39,6 +38,7 @@ from mergecompose.composition.sampling import Sampler, TokenStream, sample
 from mergecompose.composition.separate_models import SeparateModels
 from mergecompose.composition.shared_adapters import SharedAdapters
 from mergecompose.composition.speculative.decoding import SpeculationStats, speculate
+from mergecompose.composition.speed_choices import SpeedChoices
 from mergecompose.composition.stops import Stopping, special_ids, stop_criteria
 from mergecompose.composition.vocabulary import with_vocabulary
 from mergecompose.core.adapters import warn_if_made_for_another_base
@@ -118,15 +118,13 @@ class ComposedLM:
         self._backend = None
         self._closed = False
         self._merged_drafts: dict[tuple[float, ...], PreTrainedModel] = {}
-        self._draft_kernel = FewRowKernel()  # the few-row kernel's choice for the drafts' passes, kept across calls
         # LoRA experts on one base without remedies: `generate` may mix the last hidden states before the shared
         # output layer (kernels/mixed_head.py), equal to the rule up to float rounding. None (default): where that is
         # faster on this machine, timed on the first call at each batch size (`speed_choices`); True: always; False:
         # never, every component's logits are computed.
         self.mix_before_head: bool | None = None
-        self._can_mix: bool | None = None
-        self._mixing: dict[int, Choice] = {}  # batch size -> what the timing chose
         self.stopwatch = Stopwatch()  # what times the mixed head's trial
+        self._speed = SpeedChoices()  # what the timings chose, kept across calls
         # What the last `generate(draft=...)` did (None after a call without a draft).
         self.speculation_stats: SpeculationStats | None = None
 
@@ -393,7 +391,7 @@ class ComposedLM:
                 else:
                     draft = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
                     sequences, self.speculation_stats = speculate(
-                        backend, draft, self._draft_kernel, compose, prompt, stopping, sampler, config, stream
+                        backend, draft, self._speed.draft_kernel, compose, prompt, stopping, sampler, config, stream
                     )
             finally:
                 if backend is not self.backend:
@@ -402,38 +400,18 @@ class ComposedLM:
             return sequences
 
     def _mixes_before_head(self, batch: int) -> bool:
-        """Whether `generate` mixes the components' last hidden states before one output layer pass
-        (kernels/mixed_head.py): `mix_before_head` not False, no remedies, a backend that allows it (checked once),
-        and with `mix_before_head` None, mixing timed faster at this batch size (timed once per batch size)."""
-        if self.mix_before_head is False or self.remedies:
-            return False
-        if self._can_mix is None:
-            self._can_mix = can_mix(self.backend)
-        if not self._can_mix or self.mix_before_head:
-            return self._can_mix
-        if batch not in self._mixing:
-            head = self.backend.base_model.get_output_embeddings()  # a Linear: `can_mix` checked it
-            self._mixing[batch] = measure_mixing(head, self.weights, self.num_experts, batch, self.stopwatch)
-        return self._mixing[batch].chosen == "mixed"
+        """Whether `generate` mixes the last hidden states before one output layer pass: never with remedies, else
+        as `mix_before_head` says or timing chooses (`SpeedChoices.mixes_before_head`)."""
+        return not self.remedies and self._speed.mixes_before_head(
+            self.backend, self.mix_before_head, batch, self.weights, self.num_experts, self.stopwatch
+        )
 
     @property
     def speed_choices(self) -> dict[str, object]:
         """What the timings on this machine chose so far, with each option's best time in ms: whether the shared
         base's weights are packed (at load), the few-row kernel by row count, and mixing before the output layer by
         batch size (on the first `generate` at that size). Choices fixed by an argument or not made are left out."""
-        choices: dict[str, object] = {}
-        linears = getattr(self.backend, "linears", None)
-        stacked = getattr(self.backend, "stacked", None)
-        if stacked is not None:
-            linears = stacked.linears
-        if linears is not None:
-            if linears.packing is not None:
-                choices["packed weights"] = linears.packing.summary()
-            if linears.kernel.chosen:
-                choices["few-row kernel"] = dict(linears.kernel.chosen)
-        if self._mixing:
-            choices["mixed head"] = {batch: choice.summary() for batch, choice in self._mixing.items()}
-        return choices
+        return self._speed.report(self.backend)
 
     def merged_draft(self, draft_lambda: Sequence[float] | None = None) -> PreTrainedModel:
         """The task-arithmetic merge of this composition's experts, θ_b + Σ_i λ_i (θ_i − θ_b), as a model.
