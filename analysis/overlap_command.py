@@ -38,6 +38,14 @@ def add_commands(subparsers) -> None:
         action="append",
         help="also measure on greedy rollouts of: composed, base, experts, expert:NAME (repeat)",
     )
+    overlap.add_argument(
+        "--expert-data",
+        action="append",
+        dest="expert_data",
+        metavar="NAME=FILE",
+        help="an expert's own prompts (jsonl, as --data): its retention by the merge and the composition on its "
+        "greedy outputs from them (repeat, one per expert)",
+    )
     overlap.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
     overlap.add_argument(
         "--prompt-tokens", type=int, dest="prompt_tokens", help="rollout prompt length for text records"
@@ -72,7 +80,12 @@ def add_commands(subparsers) -> None:
     )
     overlap.add_argument("--rule", help="with --recommend: a predict_rule.json to use instead of the shipped one")
     add_common_flags(overlap, out="output folder (refused if it exists, unless --overwrite)", check=True)
-    declare_paths(overlap, inputs=("base", "experts", "merged", "data", "tokenizer"), configs=("config", "rule"))
+    declare_paths(
+        overlap,
+        inputs=("base", "experts", "merged", "data", "tokenizer"),
+        configs=("config", "rule"),
+        more=expert_data_paths,
+    )
     overlap.set_defaults(overwrite=None)  # unset: the config's `overwrite` (or its default) applies
     overlap.set_defaults(func=run_overlap_command, preflight=preflight_overlap_command)
 
@@ -102,12 +115,32 @@ _RUN_FLAGS = (
 )
 
 
+def name_and_file(value: str) -> tuple[str, str]:
+    """`--expert-data`'s NAME=FILE, split at the first `=`; refused, naming the value, without one."""
+    name, sign, path = value.partition("=")
+    if not sign or not name or not path:
+        raise ValueError(f"`--expert-data` must be NAME=FILE (an expert's name, then its prompts), got {value!r}")
+    return name, path
+
+
+def expert_data_paths(args) -> tuple[list[str], list[tuple[str, str]]]:
+    """The files `--expert-data` reads (inputs), and no outputs."""
+    return [value.partition("=")[2] for value in args.expert_data or [] if "=" in value], []
+
+
 def config_from_args(args):
     """YAML (if any) first, then every flag that was given; validated as `OverlapRunConfig`."""
     values = read_overlap_yaml(args.config) if args.config else {}
     for name in _RUN_FLAGS:
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
+    if args.expert_data:
+        pairs = [name_and_file(value) for value in args.expert_data]
+        names = [name for name, _ in pairs]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"`--expert-data` names {', '.join(repeated)} more than once; give one file per expert")
+        values["expert_data"] = {**(values.get("expert_data") or {}), **dict(pairs)}
     settings = dict(values.get("settings") or {})
     for name in _SETTINGS_FLAGS:
         if getattr(args, name) is not None:

@@ -97,6 +97,7 @@ def pair_rows(report: dict) -> list[list]:
 def headline_rows(results: dict) -> list[list]:
     """One row per measured context: teacher-forced, then each rollout source."""
     contexts = [("teacher-forced", results)] + [(f"rollouts: {k}", v) for k, v in results.get("rollouts", {}).items()]
+    contexts += [(f"{k}'s own prompts", v) for k, v in (results.get("expert_data") or {}).items()]
     rows = []
     for label, report in contexts:
         gap = report.get("merge_compose_gap") or {}
@@ -194,6 +195,8 @@ def markdown(results: dict) -> str:
             )
         lines.append("")
     lines += retention_lines(results)
+    for name, report in (results.get("expert_data") or {}).items():
+        lines += retention_lines(report, f"{name} on its own prompts (its greedy outputs)", only=name)
     lines += interference_lines(results)
     lines += ["## Tokens each expert moves most (mean |δ̃|)", ""]
     for name, stats in results["experts"].items():
@@ -224,13 +227,16 @@ RETENTION_HEADER = [
 ]
 
 
-def retention_lines(results: dict) -> list[str]:
-    """Which of the merge and the composition keeps each expert's top-1 decisions (`analysis.retention`)."""
+def retention_lines(results: dict, where: str = "teacher-forced", only: str | None = None) -> list[str]:
+    """Which of the merge and the composition keeps each expert's top-1 decisions (`analysis.retention`), measured
+    `where`: every expert's row, or `only` that expert's."""
     retention = results.get("retention")
     if not retention:
         return []
     rows = []
     for name, stats in results["experts"].items():
+        if only is not None and name != only:
+            continue
         kept = stats.get("retention") or {}
         merge, compose = kept.get("merge") or {}, kept.get("compose") or {}
         rows.append(
@@ -245,7 +251,7 @@ def retention_lines(results: dict) -> list[str]:
             ]
         )
     return [
-        "## Which side keeps each expert's decisions (teacher-forced)",
+        f"## Which side keeps each expert's decisions ({where})",
         "",
         "Where expert i's top-1 token differs from the base's: how far the merge and the composition are from it, "
         "and the share of those positions where each keeps its token.",

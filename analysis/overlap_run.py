@@ -57,6 +57,9 @@ class OverlapRunConfig(BaseModel):
       of a text record).
     * `parameter_density`: the TIES trim's kept share for the parameter-space measures;
       `parameter_measures: false` skips them.
+    * `expert_data`: an expert's name → a jsonl of that expert's own prompts (records as in `data`): the
+      expert's greedy rollouts from them (as `rollouts`), measured like the others, give its retention by the
+      merge and the composition where it does its own task (`expert_data` in overlap.json).
     * `recommend`: also say whether to merge or compose (`mergecompose.analysis.predict`): the unlabelled
       diagnostics on the composition's own rollouts (measured even if `rollouts` omits
       "composed"), against the merge (`merged`, else the task-arithmetic merge at `lam` built in
@@ -78,6 +81,7 @@ class OverlapRunConfig(BaseModel):
     max_records: int | None = Field(None, ge=1)
     truncate: bool = False
     rollouts: list[str] = Field(default_factory=list)
+    expert_data: dict[str, str] = Field(default_factory=dict)
     max_new_tokens: int = Field(32, ge=1)
     prompt_tokens: int = Field(8, ge=1)
     parameter_measures: bool = True
@@ -92,6 +96,14 @@ class OverlapRunConfig(BaseModel):
     def _data_exists(cls, value: str) -> str:
         if not Path(value).is_file():
             raise ValueError(f"`data` must be an existing .jsonl file, got {value!r}")
+        return value
+
+    @field_validator("expert_data")
+    @classmethod
+    def _expert_data_exist(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not Path(path).is_file():
+                raise ValueError(f"`expert_data[{name!r}]` must be an existing .jsonl file, got {path!r}")
         return value
 
     @model_validator(mode="after")
@@ -129,6 +141,11 @@ def read_overlap_yaml(path: str | os.PathLike) -> dict:
     for name in _PATH_FIELDS:
         if isinstance(values.get(name), str):
             values[name] = str(_from_folder(folder, values[name]))
+    if isinstance(values.get("expert_data"), dict):
+        values["expert_data"] = {
+            name: str(_from_folder(folder, path)) if isinstance(path, str) else path
+            for name, path in values["expert_data"].items()
+        }
     for name in _SOURCE_FIELDS:
         value = values.get(name)
         if isinstance(value, list):
@@ -170,6 +187,7 @@ def preflight_overlap(config: OverlapRunConfig) -> None:
     tokenizer loads, still before any measurement.
     """
     inputs = [config.base, *config.experts, config.merged, config.data, config.tokenizer, config.rule]
+    inputs += list(config.expert_data.values())
     refuse_output_over_inputs(config.out, inputs, "`out`")
     refuse_existing(config.out, config.overwrite)
     if config.recommend:
@@ -184,7 +202,12 @@ def preflight_overlap(config: OverlapRunConfig) -> None:
         check_model_or_adapter(config.merged, "merged")
     if config.tokenizer is not None:
         check_tokenizer(config.tokenizer, "tokenizer")
-    _rollout_sources(config.rollouts, names_from_paths(config.experts))
+    names = names_from_paths(config.experts)
+    _rollout_sources(config.rollouts, names)
+    for name, path in config.expert_data.items():
+        if name not in names:
+            raise ValueError(f"`expert_data` names {name!r}, which is no expert; the experts are {names}")
+        read_jsonl(path, config.max_records)
 
 
 def _device(choice: str) -> str:
@@ -227,6 +250,16 @@ def _rollout_sources(rollouts: list[str], expert_names: list[str]) -> list[str]:
     return list(dict.fromkeys(sources))
 
 
+def _check_rollout_room(prompts: list[dict], max_new_tokens: int, context: int | None, argument: str) -> None:
+    """Refuse rollouts whose longest prompt plus `max_new_tokens` exceeds the base's context, naming `argument`."""
+    longest = max((batch["input_ids"].shape[1] for batch in prompts), default=0)
+    if prompts and context is not None and longest + max_new_tokens > context:
+        raise ValueError(
+            f"{argument}: prompts of up to {longest} tokens plus `max_new_tokens` = {max_new_tokens} exceed the "
+            f"base's context of {context} positions (`max_position_embeddings`); lower `max_new_tokens`"
+        )
+
+
 def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     """Measure and write overlap.json, overlap.md, config.yaml and the plots into `config.out`.
 
@@ -261,12 +294,14 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     encoded = encode_records(records, tokenizer, limit, truncate=config.truncate, limit_name=limit_name)
     batches = make_batches(encoded, config.batch_size, pad_id)
     prompts = prompt_batches(encoded, config.batch_size, pad_id, config.prompt_tokens) if sources else []
-    longest_prompt = max((batch["input_ids"].shape[1] for batch in prompts), default=0)
-    if prompts and context is not None and longest_prompt + config.max_new_tokens > context:
-        raise ValueError(
-            f"`rollouts`: prompts of up to {longest_prompt} tokens plus `max_new_tokens` = {config.max_new_tokens} "
-            f"exceed the base's context of {context} positions (`max_position_embeddings`); lower `max_new_tokens`"
+    _check_rollout_room(prompts, config.max_new_tokens, context, "`rollouts`")
+    own_prompts = {}  # each expert's own prompts, tokenized and checked before any measurement
+    for name, path in config.expert_data.items():
+        own = encode_records(
+            read_jsonl(path, config.max_records), tokenizer, limit, truncate=config.truncate, limit_name=limit_name
         )
+        own_prompts[name] = prompt_batches(own, config.batch_size, pad_id, config.prompt_tokens)
+        _check_rollout_room(own_prompts[name], config.max_new_tokens, context, f"`expert_data[{name!r}]`")
 
     base_model = None
     if config.parameter_measures or config.lam != 1.0:
@@ -312,25 +347,24 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     results = report.to_dict()
     results["input_interference"] = None if adapters is None else input_interference(*adapters, batches)
 
-    results["rollouts"] = {}
-    for source in sources:
+    def measured_rollouts(source: str, prompt_batches_: list[dict], description: str) -> tuple[list[dict], dict]:
+        """`source`'s greedy rollouts from `prompt_batches_`, and their overlap report."""
         rolled = rollout_batches(
             composed,
-            prompts,
+            prompt_batches_,
             source=source,
             max_new_tokens=config.max_new_tokens,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=pad_id,
         )
         rollout_report = measure_overlap(
-            composed,
-            rolled,
-            merged_model=merged,
-            scaled_expert_models=scaled,
-            description=f"rollouts: {source}",
-            **common,
-        ).to_dict()
-        results["rollouts"][source] = rollout_report
+            composed, rolled, merged_model=merged, scaled_expert_models=scaled, description=description, **common
+        )
+        return rolled, rollout_report.to_dict()
+
+    results["rollouts"] = {}
+    for source in sources:
+        rolled, results["rollouts"][source] = measured_rollouts(source, prompts, f"rollouts: {source}")
         if source == "composed" and rule is not None:
             diagnostics, reports = unlabelled_diagnostics(
                 composed,
@@ -344,6 +378,9 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
             # An undefined diagnostic degrades the verdict (`VerdictRule.verdict`) and says why; it never fails the run.
             reasons = undefined_reasons(diagnostics, reports, config.settings)
             results["recommendation"] = recommend(rule, diagnostics, reasons)
+    results["expert_data"] = {
+        name: measured_rollouts(name, own, f"{name}'s own prompts")[1] for name, own in own_prompts.items()
+    }
     results["experts_loaded"] = dict(zip(composed.expert_names, config.experts))
 
     resolved = config.model_dump()

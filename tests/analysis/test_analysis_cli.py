@@ -205,3 +205,42 @@ def test_overlap_cli_truncates_only_when_asked_and_says_so(workspace, capsys):
     # 7 positions of the cut text, 1 completion token left of the prompt/completion record, 6 of the short text.
     assert json.loads((out / "overlap.json").read_text())["num_positions"] == 7 + 1 + 6
     assert yaml.safe_load((out / "config.yaml").read_text())["truncate"] is True
+
+
+def test_overlap_cli_measures_each_expert_on_its_own_prompts(workspace, capsys):
+    """`--expert-data NAME=FILE`: expert NAME's greedy outputs from its own prompts, measured as `--rollouts
+    expert:NAME` measures them from `--data`'s: the same numbers where the prompts are the same."""
+    own = workspace / "ab_own.jsonl"
+    own.write_text("\n".join(json.dumps({"prompt": p, "completion": "A"}) for p in ["ABBA >", "CAB >", "DD >"]) + "\n")
+    common = ["overlap", "--base", str(workspace / "base"), "--expert", str(workspace / "ab")]
+    common += ["--expert", str(workspace / "lora"), "--max-new-tokens", "5", "--quiet"]
+    out = workspace / "out_expert_data"
+    assert (
+        main([*common, "--data", str(workspace / "data.jsonl"), "--expert-data", f"ab={own}", "--out", str(out)]) == 0
+    )
+    results = json.loads((out / "overlap.json").read_text())
+    assert set(results["expert_data"]) == {"ab"}
+    measured = results["expert_data"]["ab"]
+    same = workspace / "out_expert_data_as_rollouts"
+    assert main([*common, "--data", str(own), "--rollouts", "expert:ab", "--out", str(same)]) == 0
+    rollouts = json.loads((same / "overlap.json").read_text())["rollouts"]["ab"]
+    assert measured["num_positions"] == rollouts["num_positions"] > 0
+    assert measured["experts"]["ab"]["retention"] == rollouts["experts"]["ab"]["retention"]
+    assert measured["retention"] == rollouts["retention"]
+    report = (out / "overlap.md").read_text()
+    assert "## Which side keeps each expert's decisions (ab on its own prompts (its greedy outputs))" in report
+    assert "ab's own prompts" in report  # a headline row
+    # Bad input: one line each, before any model loads.
+    for bad, message in [
+        (f"nobody={own}", "`expert_data` names 'nobody', which is no expert; the experts are ['ab', 'lora']"),
+        ("ab", "`--expert-data` must be NAME=FILE (an expert's name, then its prompts), got 'ab'"),
+        (f"ab={workspace / 'missing.jsonl'}", "`expert_data['ab']` must be an existing .jsonl file"),
+    ]:
+        argv = [*common, "--data", str(own), "--expert-data", bad, "--out", str(workspace / "never")]
+        assert main(argv) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("mergecompose overlap: error: ") and message in line, line
+    argv = [*common, "--data", str(own), "--expert-data", f"ab={own}", "--expert-data", f"ab={own}"]
+    assert main([*argv, "--out", str(workspace / "never")]) == 2
+    assert "`--expert-data` names ab more than once" in capsys.readouterr().err
+    assert not (workspace / "never").exists()
