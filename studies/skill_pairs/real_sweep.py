@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from mergecompose.analysis import OverlapSettings, rollout_batches
 from mergecompose.analysis.paired_outcome import OUTCOMES
-from mergecompose.analysis.predict import unlabelled_diagnostics
+from mergecompose.analysis.predict import diagnostic_names, unlabelled_diagnostics
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core.boundary import check_checkpoint
 from mergecompose.core.executor import (
@@ -298,10 +298,16 @@ def setting_record(
 
 def setting_diagnostics(config: RealSweepConfig, setting: SettingRun, items, folder: Path) -> dict:
     """`unlabelled_diagnostics` of the composition (weights 1) on its own rollouts of the validation prompts, with the
-    LoRA experts' input interference."""
+    LoRA experts' input interference.
+
+    Cached in `diagnostics.json` apart from the systems' cells: a cached file that lacks one of today's diagnostics
+    (`diagnostic_names`, e.g. a setting measured before a diagnostic was added) is measured again, and only it,
+    so an existing setting gains the new diagnostics without re-evaluating its systems."""
     path = folder / "diagnostics.json"
     if path.is_file():
-        return json.loads(path.read_text(encoding="utf-8"))
+        cached = json.loads(path.read_text(encoding="utf-8"))
+        if set(diagnostic_names(config.diagnostics)) <= set(cached):
+            return cached
     stop = end_of_turn_id(setting.tokenizer)
     prompts = [item.prompt for item in items]
     batches = [generation_inputs(setting.tokenizer, prompts[i : i + 8]) for i in range(0, len(prompts), 8)]

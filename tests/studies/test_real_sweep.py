@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from mergecompose.analysis.paired_outcome import paired_outcome
 from mergecompose.cli import main
 from mergecompose.studies.math_code.chat_data import generation_inputs
-from mergecompose.studies.skill_pairs import skill_experts
+from mergecompose.studies.skill_pairs import setting_run, skill_experts
 from mergecompose.studies.skill_pairs.real_sweep import claims_markdown, paper_claims
 from mergecompose.studies.skill_pairs.skill_data import joint_items
 from mergecompose.studies.skill_pairs.skill_scoring import score_item
@@ -153,6 +153,27 @@ def test_a_rerun_resumes_from_the_folder(sweep, monkeypatch, capsys):
         for record in result["settings"]:
             record.pop("seconds")
     assert after == before
+
+
+def test_a_setting_measured_before_a_diagnostic_gains_it_without_its_systems_again(sweep, monkeypatch):
+    root, _, lenient = sweep
+    out = root / "out"
+    path = out / "settings" / "units+json" / "diagnostics.json"
+    before = json.loads(path.read_text())
+    older = {key: value for key, value in before.items() if key != "retention_kept_min_compose"}
+    assert len(older) == len(before) - 1
+    path.write_text(json.dumps(older))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached system was evaluated again")
+
+    monkeypatch.setattr(setting_run, "model_answers", refuse)
+    assert main(["real-sweep", str(lenient), "--out", str(out), "--quiet"]) == 0
+    after = json.loads(path.read_text())
+    assert set(after) == set(before)
+    assert after == pytest.approx(before, nan_ok=True)  # measured again on the same rollouts
+    record = json.loads((out / "results.json").read_text())["settings"][0]
+    assert "retention_kept_min_compose" in record["diagnostics"]
 
 
 def test_the_paper_s_claims_from_hand_made_settings():
