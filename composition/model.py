@@ -2,8 +2,9 @@
 
 The components run behind one interface (`Backend`, backend.py): k+1 full models, one KV cache each
 (`SeparateModels`), or k LoRA adapters on one base, every component in one pass (`SharedAdapters`).
-`generate` checks its options once (`DecodingConfig`), prepares the prompt (inputs.py) and hands it to
-the plain decoding loop (sampling.py) or, with a draft, to the speculative one (speculative/decoding.py).
+`generate` decodes through generation.py: the options checked once (`DecodingConfig`), the prompt prepared
+(inputs.py), then the plain decoding loop (sampling.py) or, with a draft, the speculative one
+(speculative/decoding.py).
 
 `close()` (or leaving a `with` block) gives the caller's base model back as it was.
 """
@@ -20,9 +21,9 @@ from transformers.generation.streamers import BaseStreamer
 
 from mergecompose.composition.architecture import check_vocabularies, context_length
 from mergecompose.composition.backend import Backend
-from mergecompose.composition.decoding_config import DecodingConfig, decoding_arguments
-from mergecompose.composition.inputs import check_context, checked_logprobs, prepare_inputs, prepare_prompt
-from mergecompose.composition.kernels.mixed_head import decoding_backend
+from mergecompose.composition.decoding_config import DecodingConfig
+from mergecompose.composition.generation import generate_composed
+from mergecompose.composition.inputs import check_context, checked_logprobs, prepare_inputs
 from mergecompose.composition.kernels.stopwatch import Stopwatch
 from mergecompose.composition.loading import (
     PretrainedSources,
@@ -34,12 +35,10 @@ from mergecompose.composition.loading import (
 )
 from mergecompose.composition.remedies import compose_with_remedies
 from mergecompose.composition.rule import check_weights
-from mergecompose.composition.sampling import Sampler, TokenStream, sample
 from mergecompose.composition.separate_models import SeparateModels
 from mergecompose.composition.shared_adapters import SharedAdapters
-from mergecompose.composition.speculative.decoding import SpeculationStats, speculate
+from mergecompose.composition.speculative.decoding import SpeculationStats
 from mergecompose.composition.speed_choices import SpeedChoices
-from mergecompose.composition.stops import Stopping, special_ids, stop_criteria
 from mergecompose.composition.vocabulary import with_vocabulary
 from mergecompose.core.adapters import warn_if_made_for_another_base
 
@@ -359,44 +358,18 @@ class ComposedLM:
         # Every tensor of the passes with a version counter ("Inference mode" above `ComposedLM`).
         with torch.inference_mode(False):
             self._check_open()
+            self.speculation_stats = None
             inputs = {"position_ids": position_ids, "generated_position_ids": generated_position_ids}
-            config, inputs = decoding_arguments(config, old_positional, options, inputs)
-            config.check_draft_fits(
-                self.num_experts, self.device, self.vocab_size, self.tokenizer, self.backend.shares_one_base
-            )
-            criteria = stop_criteria(config.stop_strings, self.tokenizer if tokenizer is None else tokenizer)
-            prompt = prepare_prompt(
+            sequences, self.speculation_stats = generate_composed(
+                self,
                 input_ids,
                 attention_mask,
-                **inputs,
-                max_new_tokens=config.max_new_tokens,
-                truncate=config.truncate,
-                vocabulary=self.vocab_size,
-                context=self.context_length,
-                device=self.device,
+                (config, old_positional, options, inputs),
+                tokenizer,
+                streamer,
+                self._mixes_before_head,
+                self._speed.draft_kernel,
             )
-            stream = TokenStream.check(streamer, prompt.input_ids)
-            eos_ids, pad_id = special_ids(
-                config.eos_token_id, config.pad_token_id, self.generation_config, self.vocab_size, self.device
-            )
-            stopping, sampler = Stopping(eos_ids, pad_id, criteria), Sampler.from_config(config, self.device)
-            self.speculation_stats = None
-            mix = self._mixes_before_head(prompt.input_ids.shape[0])  # False unless LoRA experts on one base (can_mix)
-            backend, compose = decoding_backend(
-                self.backend, mix, self.weights, self.num_experts, self.remedies, self.vocab_size, config.do_sample
-            )
-            try:
-                if config.draft is None:
-                    sequences = sample(backend, compose, prompt, stopping, sampler, stream)
-                else:
-                    draft = self.merged_draft(config.draft_lambda) if isinstance(config.draft, str) else config.draft
-                    sequences, self.speculation_stats = speculate(
-                        backend, draft, self._speed.draft_kernel, compose, prompt, stopping, sampler, config, stream
-                    )
-            finally:
-                if backend is not self.backend:
-                    backend.close()  # the output layer's hook
-            stream.end()
             return sequences
 
     def _mixes_before_head(self, batch: int) -> bool:
