@@ -15,7 +15,9 @@ For every setting (an expert set from one of the families of `PredictConfig`):
 
 Each setting's record is written to `OUT/settings/<name>.json` as soon as it is done, keyed by a
 hash of everything it depends on, so an interrupted sweep resumes where it stopped and a
-changed setting is measured again. Components are trained once into `OUT/checkpoints`.
+changed setting is measured again; a record that lacks one of today's diagnostics (measured before it was added)
+has only its diagnostics measured again (`setting_diagnostics`), not its systems. Components are trained once into
+`OUT/checkpoints`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from mergecompose.analysis.measure import rollout_batches
 from mergecompose.analysis.paired_outcome import paired_outcome
-from mergecompose.analysis.predict import unlabelled_diagnostics
+from mergecompose.analysis.predict import diagnostic_names, unlabelled_diagnostics
 from mergecompose.composition import ComposedLM
 from mergecompose.core.adapters import merged_adapter_model
 from mergecompose.core.executor import Cell, Executor, LocalExecutor, cell_runs, raise_if_failed, run_cells
@@ -178,6 +180,8 @@ def _setting_record(
         "overlap": config.overlap.model_dump(mode="json"),
     }
     key = fingerprint(inputs)
+    # The setting's own variant of each expert (e.g. `expert_noise`), on the family's shared checkpoints.
+    components = dataclasses.replace(components, expert_variant=compare.task.expert_variant)
     name = f"settings/{setting.name}.json"
     path = run.file(name)
     if path.is_file():
@@ -186,10 +190,12 @@ def _setting_record(
         except (OSError, json.JSONDecodeError):
             cached = {}
         if cached.get("key") == key:
+            # Measured before a diagnostic was added: only the diagnostics are measured again, not the systems.
+            if not set(diagnostic_names(config.overlap)) <= set(cached.get("diagnostics") or {}):
+                cached["diagnostics"] = setting_diagnostics(config, compare, family, setting, components)
+                run.write_json(name, cached, finite=True)
             return cached
     watch = Stopwatch()
-    # The setting's own variant of each expert (e.g. `expert_noise`), on the family's shared checkpoints.
-    components = dataclasses.replace(components, expert_variant=compare.task.expert_variant)
     record = {"name": setting.name, "family": family_name, "key": key, "experts_kind": family.experts}
     record.update(measure_setting(config, compare, family, setting, components, progress))
     record["seconds"] = watch.elapsed(digits=1)
@@ -273,6 +279,37 @@ def _experts(family: FamilySpec, components: Components, names: list[str]) -> tu
 
 
 @torch.no_grad()
+def setting_diagnostics(
+    config: PredictConfig,
+    compare: CompareConfig,
+    family: FamilySpec,
+    setting: SettingSpec,
+    components: Components,
+    scorer: _Scorer | None = None,
+    loaded: tuple | None = None,
+) -> dict:
+    """The setting's unlabelled diagnostics: the composition's own rollouts from unlabelled prompts, against the
+    task-arithmetic merge at λ = 1 and the experts' task vectors. `scorer` and `loaded` (the base, the experts and
+    the composition) are what `measure_setting` has already built; without them they are built here."""
+    scorer = scorer or _Scorer(compare, setting, components, config)
+    if loaded is None:
+        models, composition = _experts(family, components, scorer.names)
+        loaded = (components.load_base(), models, composition())
+    base, models, composed = loaded
+    tokenizer = components.tokenizer
+    lam_one = merged_model(base, models, "task_arithmetic", {"lam": 1.0}, seed=0)
+    task_vectors = {name: TaskVector.from_models(base, model) for name, model in zip(scorer.names, models)}
+    prompts = prompt_batches(components.format, tokenizer, scorer.prompts, config.batch_size, scorer.max_new_tokens)
+    rolled = rollout_batches(
+        composed, prompts, "composed", scorer.max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id
+    )
+    diagnostics, _ = unlabelled_diagnostics(
+        composed, rolled, merged_model=lam_one, task_vectors=task_vectors, settings=config.overlap, progress=False
+    )
+    return diagnostics
+
+
+@torch.no_grad()
 def measure_setting(
     config: PredictConfig,
     compare: CompareConfig,
@@ -287,18 +324,8 @@ def measure_setting(
     base = components.load_base()
     models, composition = _experts(family, components, names)
     tokenizer = components.tokenizer
-
-    # Diagnostics: the composition's own rollouts from unlabelled prompts.
     composed = composition()
-    lam_one = merged_model(base, models, "task_arithmetic", {"lam": 1.0}, seed=0)
-    task_vectors = {name: TaskVector.from_models(base, model) for name, model in zip(names, models)}
-    prompts = prompt_batches(components.format, tokenizer, scorer.prompts, config.batch_size, scorer.max_new_tokens)
-    rolled = rollout_batches(
-        composed, prompts, "composed", scorer.max_new_tokens, tokenizer.eos_token_id, tokenizer.pad_token_id
-    )
-    diagnostics, _ = unlabelled_diagnostics(
-        composed, rolled, merged_model=lam_one, task_vectors=task_vectors, settings=config.overlap, progress=False
-    )
+    diagnostics = setting_diagnostics(config, compare, family, setting, components, scorer, (base, models, composed))
 
     # Outcomes: exact match against the gold targets. Every composition (plain, and each remedy) is scored on
     # the test inputs and on the validation inputs: the paired label's composition is chosen on validation.

@@ -19,6 +19,7 @@ import torch
 import yaml
 from scipy import stats
 
+from mergecompose.analysis import OverlapSettings
 from mergecompose.analysis.data import char_tokenizer
 from mergecompose.analysis.diagnostics import expert_activity
 from mergecompose.analysis.paired_outcome import paired_outcome
@@ -27,6 +28,7 @@ from mergecompose.analysis.predict import (
     Threshold,
     VerdictRule,
     combine_verdict,
+    diagnostic_names,
     load_rule,
     proxy_owner_statistics,
     recommend,
@@ -35,7 +37,7 @@ from mergecompose.cli import main
 from mergecompose.composition import ComposedLM
 from mergecompose.composition.rule import compose_logprobs
 from mergecompose.experiments.trained_models import prepare_components
-from mergecompose.studies.predict import PredictConfig
+from mergecompose.studies.predict import PredictConfig, predict_sweep
 from mergecompose.studies.predict.predict_config import SettingSpec
 from mergecompose.studies.predict.predict_sweep import CACHED, measure_setting
 from mergecompose.studies.predict.stats import (
@@ -317,6 +319,27 @@ def test_predict_sweep_resumes_from_the_settings_it_has_measured(small_sweep, ca
     capsys.readouterr()
     assert main(["predict-sweep", str(other_path), "--out", str(out)]) == 2
     assert "another config" in capsys.readouterr().err
+
+
+def test_a_setting_measured_before_a_diagnostic_gains_it_without_its_systems_again(small_sweep, monkeypatch):
+    config_path, out, results = small_sweep
+    path = out / "settings" / "ab_cd.json"
+    before = json.loads(path.read_text())
+    assert set(diagnostic_names(OverlapSettings(**SMALL.get("overlap", {})))) <= set(before["diagnostics"])
+    older = dict(before, diagnostics={k: v for k, v in before["diagnostics"].items() if k != "silent_flip_rate"})
+    path.write_text(json.dumps(older))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached setting's systems were scored again")
+
+    monkeypatch.setattr(predict_sweep, "measure_setting", refuse)
+    assert main(["predict-sweep", str(config_path), "--out", str(out), "--quiet"]) == 0
+    after = json.loads(path.read_text())
+    assert after["diagnostics"] == pytest.approx(before["diagnostics"], nan_ok=True)  # measured again, alike
+    after.pop("diagnostics"), before.pop("diagnostics")
+    assert after == before  # the rest of the record as it was
+    again = json.loads((out / "predict.json").read_text())
+    assert "silent_flip_rate" in again["settings"][0]["diagnostics"]
 
 
 def test_ctrl_c_keeps_the_finished_settings_and_the_same_command_goes_on(small_sweep, tmp_path):
