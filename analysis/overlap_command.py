@@ -85,6 +85,7 @@ def add_commands(subparsers) -> None:
         inputs=("base", "experts", "merged", "data", "tokenizer"),
         configs=("config", "rule"),
         more=expert_data_paths,
+        through_more=("expert_data",),
     )
     overlap.set_defaults(overwrite=None)  # unset: the config's `overwrite` (or its default) applies
     overlap.set_defaults(func=run_overlap_command, preflight=preflight_overlap_command)

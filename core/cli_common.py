@@ -215,7 +215,8 @@ class PathDeclaration:
     writes (the command says whether an existing one is replaced). `caches`: folders the command both
     reads and writes by design (a shared checkpoints folder), so an output may hold them. `more`: a
     function of the parsed arguments giving further (inputs, outputs), for a command whose
-    arguments are another program's (`lm-eval`). `not_paths`: arguments that take no path although
+    arguments are another program's (`lm-eval`). `through_more`: arguments whose values hold paths without
+    being paths (`NAME=FILE`), which `more` gives. `not_paths`: arguments that take no path although
     their help speaks of files or folders (for the test that finds undeclared path arguments).
     """
 
@@ -225,10 +226,11 @@ class PathDeclaration:
     output_files: tuple[str, ...] = ()
     caches: tuple[str, ...] = ()
     more: Callable[[argparse.Namespace], tuple[list[str], list[tuple[str, str]]]] | None = None
+    through_more: tuple[str, ...] = ()  # arguments whose paths `more` gives (NAME=FILE values)
     not_paths: tuple[str, ...] = ()  # arguments whose help speaks of files or folders but take no path
 
     def named(self) -> set[str]:
-        return {*self.inputs, *self.configs, *self.outputs, *self.output_files, *self.caches}
+        return {*self.inputs, *self.configs, *self.outputs, *self.output_files, *self.caches, *self.through_more}
 
 
 def declare_paths(parser: argparse.ArgumentParser, **declaration: object) -> None:
