@@ -70,11 +70,9 @@ def train_skill_expert(
     if recipe.skill in STYLE_SKILLS:
         model.eval()
         own = model_answers(model, tokenizer, [item.question for item in items], STYLE_ANSWER_TOKENS, 32)
-        pairs = [
-            (item.prompt, restyled(recipe.skill, whole_sentences(answer)))
-            for item, answer in zip(items, own)
-            if whole_sentences(answer)  # the base said nothing: nothing to rewrite
-        ]
+        cut = [(item, whole_sentences(answer)) for item, answer in zip(items, own)]
+        # An empty answer (the base said nothing) has nothing to rewrite.
+        pairs = [(item.prompt, restyled(recipe.skill, answer)) for item, answer in cut if answer]
         seconds = round(time.perf_counter() - started, 1)
         record["base_answers"] = {"seconds": seconds, "empty": len(items) - len(pairs), "first": pairs[:3]}
     else:

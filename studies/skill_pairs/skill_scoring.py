@@ -135,8 +135,8 @@ def score_item(item: SkillItem, output: str) -> ItemScore:
             strict = strict_lines is not None and len(strict_lines) == len(content_skills)
             line = strict_lines[index].strip() if strict else ""  # type: ignore[index]
             strict = strict and (line.casefold() == reference.casefold() if capitals else line == reference)
-            found = content_found(skill, reference.casefold(), output.casefold()) if capitals else None
-            parts[skill] = Score(strict, found if found is not None else content_found(skill, reference, output))
+            fold = str.casefold if capitals else str  # beside capitals, the content in any case
+            parts[skill] = Score(strict, content_found(skill, fold(reference), fold(output)))
     if item.form is not None:
         found = form_found(item.form, output)
         if capitals and item.form == "signature":
