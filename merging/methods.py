@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 from pydantic import ValidationError
 
+from mergecompose.core.import_paths import is_import_path
 from mergecompose.merging.generalized_task_arithmetic import GeneralizedTaskArithmetic
 from mergecompose.merging.linear import Linear
 from mergecompose.merging.method_settings import (
@@ -37,6 +38,7 @@ from mergecompose.merging.method_settings import (
     TiesSettings,
     readable_error,
 )
+from mergecompose.merging.user_methods import resolve_user_method
 
 SettingsT = TypeVar("SettingsT", bound=MergeSettings)
 
@@ -76,9 +78,15 @@ def register(method: MergeMethod[Any]) -> None:
 
 
 def get_method(name: str) -> MergeMethod[Any]:
-    """The method registered as `name`; an unknown name lists the valid ones."""
+    """The method registered as `name`, or the user's method that import path `name` (`package.module:Name`)
+    names (`mergecompose.merging.user_methods`); an unknown name lists the valid ones."""
+    if is_import_path(name):
+        return resolve_user_method(name, "method")
     if name not in _REGISTRY:
-        raise ValueError(f"unknown merge method {name!r}; valid methods: {sorted(_REGISTRY)}")
+        raise ValueError(
+            f"unknown merge method {name!r}; valid methods: {sorted(_REGISTRY)}, or a method of your own "
+            "as an import path `package.module:Name`"
+        )
     return _REGISTRY[name]
 
 
@@ -94,6 +102,9 @@ def validate_merge_params(method: str, params: Mapping, *, count: int | None = N
     number of inputs where known, checks `weights` against it and fills in the default weights.
     Validates a whole merge grid at config load time, before any work.
 
+    `method` may be a user's import path `package.module:Name` (`mergecompose.merging.user_methods`): its
+    settings' `method` is filled with that path.
+
     Raises:
         ValueError: an unknown method (the valid ones are listed), an unknown parameter (the
             method's are listed), or a value out of range (one line per field, naming it, the
@@ -104,8 +115,13 @@ def validate_merge_params(method: str, params: Mapping, *, count: int | None = N
         raise ValueError(
             f"`params` of `{method}` must be a mapping of parameter names to values, got {type(params).__name__}"
         )
+    params = dict(params)
+    if is_import_path(method):  # a user's settings model takes its name, the import path, as `method`
+        if "method" in params:
+            raise ValueError(f"`method` is not a parameter of `{method}`; its name is the import path")
+        params["method"] = method
     try:
-        return settings.model_validate(dict(params), context={"count": count})
+        return settings.model_validate(params, context={"count": count})
     except ValidationError as error:
         raise readable_error(error, settings, f"`{method}`") from None
 
