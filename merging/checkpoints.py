@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, mo
 from safetensors import safe_open
 
 from mergecompose.core.boundary import check_adapter, check_checkpoint, check_text_file
+from mergecompose.core.import_paths import is_import_path
 from mergecompose.core.io import atomic_output_dir, read_yaml_mapping, refuse_existing, refuse_output_over_inputs
 from mergecompose.core.sources import is_local
 from mergecompose.merging.lazy_tensors import SafetensorsCheckpoint
@@ -73,9 +74,9 @@ class CheckpointMergeConfig(BaseModel):
         density: 0.2
         lam: 1.0
 
-    `method` is one mergekit runs (`mergecompose.merging.methods.mergekit_methods()`); the other keys are
-    the method's parameters, validated by its settings model (`METHODS[method].settings`) when
-    the config is.
+    `method` is one mergekit runs (`mergecompose.merging.methods.mergekit_methods()`), or a user's method as
+    an import path `package.module:Name`, which runs in memory (`mergecompose.merging.in_memory_checkpoints`);
+    the other keys are the method's parameters, validated by its settings model when the config is.
     """
 
     model_config = ConfigDict(extra="allow")  # the extra keys are the method's parameters
@@ -88,8 +89,11 @@ class CheckpointMergeConfig(BaseModel):
     @field_validator("method")
     @classmethod
     def _mergekit_runs_it(cls, value: str) -> str:
-        if value not in mergekit_methods():
-            raise ValueError(f"must be one of the methods mergekit runs, {mergekit_methods()}")
+        if value not in mergekit_methods() and not is_import_path(value):
+            raise ValueError(
+                f"must be one of the methods mergekit runs, {mergekit_methods()}, or your own method's import "
+                "path `package.module:Name` (run in memory)"
+            )
         return value
 
     @field_validator("experts", mode="before")
@@ -125,12 +129,19 @@ class CheckpointMergeConfig(BaseModel):
                     "merge in memory (`mergecompose.merging.merge`) for the other definitions"
                 )
         weights = [expert.weight for expert in self.experts]
+        if is_import_path(self.method):  # in memory: the conventions are the user method's own
+            return validate_merge_params(self.method, {**parameters, "weights": weights}, count=len(weights))
         return validate_merge_params(
             self.method, {**parameters, **MERGEKIT_MODE, "weights": weights}, count=len(weights)
         )
 
     def to_mergekit(self) -> dict:
-        """The same merge in mergekit's YAML schema."""
+        """The same merge in mergekit's YAML schema (not for a user's method, which mergekit cannot run)."""
+        if is_import_path(self.method):
+            raise ValueError(
+                f"`method` {self.method!r} is your own merge method, which runs in memory, not in mergekit: "
+                "`mergecompose merge` runs it so, or `mergecompose.merging.in_memory_checkpoints.merge_in_memory`"
+            )
         settings = self.settings().model_dump()
         models = []
         for expert in self.experts:

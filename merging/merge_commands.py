@@ -1,4 +1,4 @@
-"""`mergecompose merge` (mergekit on disk) and `mergecompose task-vector` (norms and cosines)."""
+"""`mergecompose merge` (mergekit on disk; a user's method, named by import path, in memory) and `mergecompose task-vector` (norms and cosines)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from mergecompose.core.boundary import check_checkpoint, check_model_or_adapter
 from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.core.io import atomic_output_dir, markdown_table, refuse_existing
 from mergecompose.merging.checkpoints import load_merge_config, merge_checkpoints, prepare_merge
+from mergecompose.merging.in_memory_checkpoints import merge_in_memory, prepare_in_memory_merge, user_merge_config
 from mergecompose.merging.task_vector import TaskVector
 
 _ALLOW_NONFINITE = (
@@ -23,10 +24,13 @@ _ALLOW_NONFINITE = (
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     merge = subparsers.add_parser(
         "merge",
-        help="merge checkpoints on disk through mergekit (mergekit YAML unchanged, or our typed config)",
+        help="merge checkpoints through mergekit (mergekit YAML unchanged, or our typed config), or in memory "
+        "with your own method (our typed config, `method: package.module:Name`)",
         description="mergecompose merge CONFIG --out DIR; the older form `merge CONFIG DIR` does the same.",
     )
-    merge.add_argument("config", help="a mergekit YAML file (merge_method: ...) or ours (method: ...)")
+    merge.add_argument(
+        "config", help="a mergekit YAML file (merge_method: ...) or ours (method: NAME or package.module:Name)"
+    )
     merge.add_argument("out_dir", nargs="?", metavar="DIR", help=argparse.SUPPRESS)  # the older form of --out
     add_common_flags(merge, out="output folder, written atomically", check=True)
     merge.add_argument("--allow-nonfinite", action="store_true", help=_ALLOW_NONFINITE)
@@ -57,7 +61,11 @@ def merge_out_dir(args: argparse.Namespace) -> str:
 
 
 def preflight_merge(args: argparse.Namespace) -> None:
-    """Every check of the merge before mergekit runs (`mergecompose.merging.checkpoints.prepare_merge`)."""
+    """Every check of the merge before any weights load: `prepare_in_memory_merge` for our config naming a user's
+    method by import path, `mergecompose.merging.checkpoints.prepare_merge` (mergekit) otherwise."""
+    if user_merge_config(args.config) is not None:
+        prepare_in_memory_merge(args.config, merge_out_dir(args), args.overwrite, allow_nonfinite=args.allow_nonfinite)
+        return
     options = {"quiet": args.quiet}
     prepare_merge(
         args.config, merge_out_dir(args), args.overwrite, options=options, allow_nonfinite=args.allow_nonfinite
@@ -66,11 +74,22 @@ def preflight_merge(args: argparse.Namespace) -> None:
 
 def run_merge(args: argparse.Namespace) -> int:
     out = merge_out_dir(args)
-    mergekit_config, _ = load_merge_config(args.config)
-    out_dir = merge_checkpoints(
-        args.config, out, overwrite=args.overwrite, options={"quiet": args.quiet}, allow_nonfinite=args.allow_nonfinite
-    )
-    print(f"mergekit `{mergekit_config['merge_method']}` merge written to {out_dir}")
+    user_config = user_merge_config(args.config)
+    if user_config is not None:
+        out_dir = merge_in_memory(
+            user_config, out, overwrite=args.overwrite, allow_nonfinite=args.allow_nonfinite, progress=not args.quiet
+        )
+        print(f"in-memory `{user_config.method}` merge written to {out_dir}")
+    else:
+        mergekit_config, _ = load_merge_config(args.config)
+        out_dir = merge_checkpoints(
+            args.config,
+            out,
+            overwrite=args.overwrite,
+            options={"quiet": args.quiet},
+            allow_nonfinite=args.allow_nonfinite,
+        )
+        print(f"mergekit `{mergekit_config['merge_method']}` merge written to {out_dir}")
     print(f"{'file':<32} {'bytes':>12}  contents")
     for path in sorted(out_dir.iterdir()):
         contents = ""
