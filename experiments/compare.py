@@ -34,7 +34,7 @@ from mergecompose.composition import ComposedLM
 from mergecompose.core.cli_common import check_free_disk
 from mergecompose.core.executor import Executor
 from mergecompose.core.io import atomic_write_text
-from mergecompose.experiments.compare_config import CompareConfig, fingerprint
+from mergecompose.experiments.compare_config import CompareConfig, config_fingerprint, fingerprint, user_code_hashes
 from mergecompose.experiments.compare_report import format_tables, plot_lengths, results_markdown
 from mergecompose.experiments.evaluate import JOINT, EvalData, greedy_agreement, mean_exact_match, score, summary
 from mergecompose.experiments.merge_selection import best_per_method, merged_model, search_merges
@@ -134,7 +134,7 @@ def preflight_compare(
     """
     kind = compare_kind_of(config)
     if kind is None:
-        RunFolder(out_dir, COMPARE_FOLDER).check(fingerprint(config), overwrite)
+        RunFolder(out_dir, COMPARE_FOLDER).check(config_fingerprint(config), overwrite)
         model = config.model
         shape = f"`model.hidden_size` {model.hidden_size}, `model.num_layers` {model.num_layers}"
         check_free_disk(out_dir, synthetic_checkpoint_bytes(config), f"the checkpoints of this comparison ({shape})")
@@ -164,7 +164,7 @@ class Setting:
 
 
 def _run(config, out_dir: Path, overwrite, progress, sections, echo) -> dict:
-    config_hash = fingerprint(config)
+    config_hash = config_fingerprint(config)
     run = RunFolder(out_dir, COMPARE_FOLDER)
     with run.claim(config_hash, overwrite):
         return _run_claimed(config, config_hash, run, progress, sections, echo)
@@ -344,6 +344,7 @@ def _select_merges(
             "evaluation": config.evaluation.model_dump(mode="json"),
             "merges": {method: grid.model_dump(mode="json") for method, grid in config.merges.items()},
             "seed": seed,
+            **({"user_code": hashes} if (hashes := user_code_hashes(config)) else {}),
         }
     )
     cache = cache_dir / f"merge-selection-{key}.json"

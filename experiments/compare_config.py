@@ -14,6 +14,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Discriminator,
     Field,
     SerializeAsAny,
@@ -25,6 +26,7 @@ from pydantic import (
 )
 
 from mergecompose.composition.remedies import RemedySettings
+from mergecompose.core.import_paths import is_import_path, source_hash
 from mergecompose.core.io import StrictModel, read_yaml_mapping, validation_message
 from mergecompose.core.training import OptimizerSettings
 from mergecompose.experiments.plugins import compare_kinds, missing_extra, validate_task
@@ -161,15 +163,30 @@ class EvaluationSettings(StrictModel):
 
 
 class MergeGrid(StrictModel):
-    """Candidate hyperparameters of one merge method; every combination is tried on validation."""
+    """Candidate hyperparameters of one merge method; every combination is tried on validation.
+
+    A built-in method's grid takes `lam`, `density` and `drop_rate`. A user's method, named by its import path
+    (`package.module:Name`), may also list values of its own parameters (any other key, a list each): its
+    settings model validates every grid point in `check_merge_grids`, before any training.
+    """
+
+    # Extra keys are a user method's own parameters; `check_merge_grids` refuses them for a built-in.
+    model_config = ConfigDict(extra="allow")
 
     lam: list[float] | None = None
     density: list[float] | None = None
     drop_rate: list[float] | None = None
 
+    @model_validator(mode="after")
+    def _own_parameters_are_lists(self):
+        for name, values in (self.model_extra or {}).items():
+            if not isinstance(values, list):
+                raise ValueError(f"`{name}` must list the values to try, got {values!r}")
+        return self
+
     def candidates(self) -> list[dict[str, float]]:
         grid = [{}]
-        for name in ("lam", "density", "drop_rate"):
+        for name in ("lam", "density", "drop_rate", *(self.model_extra or {})):
             values = getattr(self, name)
             if values is not None:
                 if len(values) == 0:
@@ -179,11 +196,19 @@ class MergeGrid(StrictModel):
 
 
 def check_merge_grids(grids: dict[str, MergeGrid]) -> dict[str, MergeGrid]:
-    """Every method is in `mergecompose.merging.METHODS` and every grid point is valid for it (before any training)."""
-    unknown = sorted(set(grids) - set(METHODS))
+    """Every method is in `mergecompose.merging.METHODS` or a user's import path (`package.module:Name`, imported
+    here), and every grid point is valid for it (before any training)."""
+    unknown = sorted(method for method in grids if method not in METHODS and not is_import_path(method))
     if unknown:
-        raise ValueError(f"unknown merge methods {unknown}; valid: {sorted(METHODS)}")
+        raise ValueError(
+            f"unknown merge methods {unknown}; valid: {sorted(METHODS)}, or your own as `package.module:Name`"
+        )
     for method, grid in grids.items():
+        if not is_import_path(method) and grid.model_extra:
+            raise ValueError(
+                f"`merges.{method}`: {sorted(grid.model_extra)} are not grid keys of a built-in method; valid: lam, "
+                "density, drop_rate (a method of your own, named by import path, may list its own parameters)"
+            )
         for params in grid.candidates():
             try:
                 validate_merge_params(method, params)
@@ -410,6 +435,19 @@ def _task_type(data: dict) -> str:
     if not isinstance(task, dict):
         return "missing (no `task` mapping)"
     return "missing" if "type" not in task else repr(task["type"])
+
+
+def user_code_hashes(config: CompareConfig) -> dict[str, str | None]:
+    """SHA-256 of the module of each user merge method the config (or a variant) names by import path."""
+    merges = [config.merges, *(variant.merges for variant in config.variant_configs().values())]
+    return {method: source_hash(method) for grids in merges for method in grids if is_import_path(method)}
+
+
+def config_fingerprint(config: CompareConfig) -> str:
+    """`fingerprint(config)`, with the source hashes of the user's merge methods where it names any, so that a
+    changed method recomputes what the cache holds (a config without them keeps its hash)."""
+    hashes = user_code_hashes(config)
+    return fingerprint(config, {"user_code": hashes}) if hashes else fingerprint(config)
 
 
 def fingerprint(*parts) -> str:

@@ -56,6 +56,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from mergecompose.composition.remedies import RemedySettings
 from mergecompose.core import sources
 from mergecompose.core.executor import Resources, ResourcesConfig
+from mergecompose.core.import_paths import is_import_path
 from mergecompose.core.io import StrictModel
 from mergecompose.core.sources import check_hub_id, check_model_source, hub_offline, is_local
 from mergecompose.experiments.compare_config import MergeGrid, check_merge_grids
@@ -192,6 +193,13 @@ class LmEvalCompareConfig(StrictModel):
     @classmethod
     def _merges(cls, value):
         check_merge_grids(value)
+        user_methods = sorted(method for method in value if is_import_path(method))
+        if user_methods:
+            raise ValueError(
+                f"merges of a `type: lm_eval` compare are written by mergekit, which runs only its own methods, not "
+                f"your {user_methods}; merge with yours in memory (`mergecompose merge` with our typed config, "
+                "`method: package.module:Name`) and list the merged checkpoint under `experts`"
+            )
         offline = sorted(method for method in value if not METHODS[method].mergekit)
         if offline:
             raise ValueError(
