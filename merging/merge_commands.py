@@ -1,4 +1,5 @@
-"""`mergecompose merge` (mergekit on disk; a user's method, named by import path, in memory) and `mergecompose task-vector` (norms and cosines)."""
+"""`mergecompose merge` (mergekit on disk; a user's method, named by import path, in memory) and
+`mergecompose task-vector` (norms and cosines)."""
 
 from __future__ import annotations
 
