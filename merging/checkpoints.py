@@ -90,10 +90,7 @@ class CheckpointMergeConfig(BaseModel):
     @classmethod
     def _mergekit_runs_it(cls, value: str) -> str:
         if value not in mergekit_methods() and not is_import_path(value):
-            raise ValueError(
-                f"must be one of the methods mergekit runs, {mergekit_methods()}, or your own method's import "
-                "path `package.module:Name` (run in memory)"
-            )
+            raise ValueError(f"must be one of the methods mergekit runs, {mergekit_methods()}")
         return value
 
     @field_validator("experts", mode="before")
