@@ -1,5 +1,9 @@
 """Optional pieces that make composition of many experts stable, each small and composable.
 
+Each is an ordinary implementation of the remedy protocol (`mergecompose.composition.remedy_phases`): it
+declares its phase (exponent, score, mask, termination), and the phases run in that fixed order around
+the rule. A user's own remedy is any object that does the same.
+
 The paper reports that composing more than two experts degraded generation, most likely
 through unstable end-of-sequence prediction. The remedies, applied in this order by
 `compose_with_remedies`:
@@ -30,14 +34,17 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
 import torch
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from mergecompose.composition.remedy_imports import CLASS_KEY, ImportedRemedy
+from mergecompose.composition.remedy_phases import apply_phases, by_phase, remedy_phase
 from mergecompose.composition.rule import (
     LOGPROB_FLOOR,
     check_composition_arguments,
@@ -47,6 +54,14 @@ from mergecompose.composition.rule import (
     compose_logprobs_unchecked,
 )
 from mergecompose.core.io import validation_message
+
+
+def yaml_scalar(text: str) -> Any:
+    """`text` read as a YAML scalar (`0.5` a float, `true` a bool), or the text itself where YAML cannot read it."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def _check_threshold(value: object, name: str) -> None:
@@ -77,8 +92,9 @@ def kl_to_base(components: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ActivityGate:
-    """Weight 0 for expert i where KL(p_i ‖ p_b) ≤ threshold."""
+    """Weight 0 for expert i where KL(p_i ‖ p_b) ≤ threshold (phase "exponent")."""
 
+    phase: ClassVar[Literal["exponent"]] = "exponent"
     threshold: float = 0.1
 
     def __post_init__(self) -> None:
@@ -88,11 +104,16 @@ class ActivityGate:
         """`(k, ...)` bool: which experts are active at each position."""
         return kl_to_base(components) > self.threshold
 
+    def multipliers(self, components: torch.Tensor) -> torch.Tensor:
+        """The exponent phase: `(k, ...)` 1 where the expert is active, 0 where it is not."""
+        return self.active(components)
+
 
 @dataclass(frozen=True)
 class PlausibilityFilter:
-    """Keep tokens that some component finds plausible (≥ alpha · its max prob, or in its top-p)."""
+    """Keep tokens that some component finds plausible (≥ alpha · its max prob, or in its top-p); phase "mask"."""
 
+    phase: ClassVar[Literal["mask"]] = "mask"
     alpha: float | None = 0.1
     top_p: float | None = None
 
@@ -118,8 +139,9 @@ class PlausibilityFilter:
 
 @dataclass(frozen=True)
 class TerminationRule:
-    """EOS takes the base's (or the active experts') log-prob instead of the composed one."""
+    """EOS takes the base's (or the active experts') log-prob instead of the composed one; phase "termination"."""
 
+    phase: ClassVar[Literal["termination"]] = "termination"
     eos_token_id: int | Sequence[int]
     source: str = "base"
     threshold: float = 0.1  # activity threshold for source="active"
@@ -134,7 +156,7 @@ class TerminationRule:
             )
 
     @property
-    def eos_ids(self) -> list:
+    def eos_ids(self) -> list[int]:
         """`eos_token_id` as a list (empty if it is neither an id nor a list of them)."""
         if isinstance(self.eos_token_id, int):
             return [self.eos_token_id]
@@ -185,8 +207,10 @@ class SharedDelta:
     * identical experts at weight 1: s = d, the single expert.
 
     The scores are computed on log-probs clamped to `LOGPROB_FLOOR`, as the rule clamps them; a token
-    the plain rule rules out (-inf from a component with a positive exponent) stays ruled out.
+    the plain rule rules out (-inf from a component with a positive exponent) stays ruled out. Phase "score".
     """
+
+    phase: ClassVar[Literal["score"]] = "score"
 
     def scores(self, components: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
         """`(..., V)` the composed scores before renormalisation, `log p_b + (max_A w) · s + Σ_i w_i (d_i − [i∈A] s)`.
@@ -226,9 +250,10 @@ class SignConsensus:
     sign is the contribution's, `w_i d_i`, so a negative weight votes with the change it actually
     adds. One expert, or deltas with disjoint support, with density 1: nothing is dropped, the plain
     rule. The scores are computed on log-probs clamped to `LOGPROB_FLOOR`; a token the plain rule rules
-    out stays ruled out.
+    out stays ruled out. Phase "score".
     """
 
+    phase: ClassVar[Literal["score"]] = "score"
     density: float = 1.0
 
     def __post_init__(self) -> None:
@@ -266,10 +291,6 @@ class SignConsensus:
         return components[0].clamp(min=LOGPROB_FLOOR) + agreeing.sum(0)
 
 
-# The rule the remedies wrap: `compose_logprobs` (checked) or `compose_logprobs_unchecked`.
-_Rule = Callable[[torch.Tensor, Sequence[torch.Tensor], torch.Tensor | None], torch.Tensor]
-
-
 def compose_with_remedies(
     components: torch.Tensor,
     weights: Sequence[float] | None = None,
@@ -303,10 +324,10 @@ def compose_with_remedies(
     weights = check_weights(weights, components.shape[0] - 1)
     if validate is False:
         check_remedies(remedies, components.shape[-1])
-        return _compose(components, weights, remedies, _rule_with_argument_checks)
+        return apply_phases(components, weights, remedies, _rule_with_argument_checks)
     check_scores(components, "`components` (index 0 is the base, then the experts)")
     check_remedies(remedies, components.shape[-1])
-    return _compose(components, weights, remedies, compose_logprobs)
+    return apply_phases(components, weights, remedies, compose_logprobs)
 
 
 def compose_with_remedies_unchecked(
@@ -316,7 +337,7 @@ def compose_with_remedies_unchecked(
 
     For `components` built to fit, finite `weights` and remedies checked once (`check_remedies`);
     a position where every token is ruled out comes out NaN."""
-    return _compose(components, weights, remedies, compose_logprobs_unchecked)
+    return apply_phases(components, weights, remedies, compose_logprobs_unchecked)
 
 
 def step_composer(
@@ -332,28 +353,42 @@ def step_composer(
 
 
 def check_remedies(remedies: Sequence[object], vocab_size: int) -> None:
-    """Refuse what is not a remedy, more than one `TerminationRule`, more than one of `SharedDelta` and
-    `SignConsensus`, and an EOS id outside the vocabulary."""
-    unknown = [r for r in remedies if not isinstance(r, _REMEDY_TYPES)]
-    if unknown:
-        raise ValueError(
-            f"unknown remedy {unknown[0]!r}; allowed: " + ", ".join(kind.__name__ for kind in _REMEDY_TYPES)
-        )
-    delta_rules = [r for r in remedies if isinstance(r, (SharedDelta, SignConsensus))]
-    if len(delta_rules) > 1:
-        raise ValueError(
-            "at most one of SharedDelta and SignConsensus can be given (each replaces how the deltas add up), "
-            f"got {', '.join(map(repr, delta_rules))}"
-        )
-    terminations = [r for r in remedies if isinstance(r, TerminationRule)]
-    if len(terminations) > 1:
-        raise ValueError(f"at most one TerminationRule can be given, got {len(terminations)}")
-    for termination in terminations:
-        if max(termination.eos_ids) >= vocab_size:
+    """Refuse what is not a remedy (`remedy_phase`: no phase, or without its phase's method), more than one
+    remedy of the score phase (`SharedDelta`, `SignConsensus` or a user's) or of the termination phase, and an EOS
+    id outside the vocabulary."""
+    if isinstance(remedies, (str, bytes)) or not isinstance(remedies, Sequence):
+        raise ValueError(f"`remedies` must be a list of remedies, got {type(remedies).__name__}")
+    for remedy in remedies:
+        try:
+            remedy_phase(remedy)
+        except ValueError as error:
             raise ValueError(
-                f"`TerminationRule.eos_token_id` must be below the vocabulary size {vocab_size}, "
-                f"got {termination.eos_token_id!r}"
-            )
+                f"unknown remedy {remedy!r}; allowed: "
+                + ", ".join(kind.__name__ for kind in _REMEDY_TYPES)
+                + f", or an object of your own that implements a phase ({error})"
+            ) from None
+    phases = by_phase(remedies)
+    if len(phases["score"]) > 1:
+        raise ValueError(
+            "at most one of SharedDelta and SignConsensus can be given (or one score-phase remedy of your own: each "
+            f"replaces how the deltas add up), got {', '.join(map(repr, phases['score']))}"
+        )
+    if len(phases["termination"]) > 1:
+        raise ValueError(
+            f"at most one TerminationRule (or termination-phase remedy) can be given, got {len(phases['termination'])}"
+        )
+    for termination in phases["termination"]:
+        eos_ids = termination.eos_ids  # type: ignore[attr-defined]
+        if not eos_ids or not all(_token_id(i) and i < vocab_size for i in eos_ids):
+            if isinstance(termination, TerminationRule):
+                name, value = "TerminationRule.eos_token_id", termination.eos_token_id
+            else:
+                name, value = f"{type(termination).__name__}.eos_ids", eos_ids
+            raise ValueError(f"`{name}` must be below the vocabulary size {vocab_size}, got {value!r}")
+
+
+def _token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 _REMEDY_TYPES = (ActivityGate, SharedDelta, SignConsensus, PlausibilityFilter, TerminationRule)
@@ -367,59 +402,6 @@ def _rule_with_argument_checks(
     return compose_logprobs_unchecked(base, experts, weights)
 
 
-def _compose(
-    components: torch.Tensor, weights: Sequence[float] | None, remedies: Sequence[object], rule: _Rule
-) -> torch.Tensor:
-    """The remedies around `rule`: gates set the exponents; the delta rules, filters and the termination rule
-    change its output."""
-    gates = [r for r in remedies if isinstance(r, ActivityGate)]
-    delta_rules = [r for r in remedies if isinstance(r, (SharedDelta, SignConsensus))]
-    filters = [r for r in remedies if isinstance(r, PlausibilityFilter)]
-    terminations = [r for r in remedies if isinstance(r, TerminationRule)]
-    components = torch.log_softmax(components.float(), dim=-1)  # (k+1, ..., V)
-    k = components.shape[0] - 1
-
-    exponents = None
-    if weights is not None or gates:
-        exponents = torch.ones(k, *components.shape[1:-1], device=components.device)  # (k, ...)
-        if weights is not None:
-            exponents = exponents * torch.as_tensor(weights, dtype=torch.float32, device=components.device).reshape(
-                k, *([1] * (components.dim() - 2))
-            )
-        for gate in gates:
-            exponents = exponents * gate.active(components)
-
-    composed = rule(components[0], list(components[1:]), exponents)  # (..., V)
-
-    for delta_rule in delta_rules:
-        # The rule's result says which tokens a component with a positive exponent rules out (and checks it).
-        expert_exponents = exponents if exponents is not None else torch.ones_like(components[1:, ..., 0])  # (k, ...)
-        scores = delta_rule.scores(components, expert_exponents)  # (..., V)
-        composed = torch.log_softmax(scores.masked_fill(torch.isneginf(composed), float("-inf")), dim=-1)
-
-    for plausibility in filters:
-        composed = torch.log_softmax(composed.masked_fill(~plausibility.allowed(components), float("-inf")), dim=-1)
-
-    for termination in terminations:
-        eos = torch.as_tensor(termination.eos_token_id, device=components.device).reshape(-1)
-        target = termination.eos_logprob(components, eos)  # (...,)
-        is_eos = torch.zeros(components.shape[-1], dtype=torch.bool, device=components.device)
-        is_eos[eos] = True
-        # Non-EOS tokens keep their relative composed probabilities and share 1 − p_eos.
-        rest = torch.log_softmax(composed.masked_fill(is_eos, float("-inf")), dim=-1)  # (..., V)
-        rest = rest + torch.log1p(-target.exp().clamp(max=1 - 1e-7)).unsqueeze(-1)
-        eos_mass = composed.index_select(-1, eos).logsumexp(-1, keepdim=True)  # (..., 1)
-        eos_share = composed.index_select(-1, eos) - eos_mass
-        adjusted = rest.clone()
-        adjusted[..., eos] = eos_share + target.unsqueeze(-1)  # EOS ids split `target` as the composition did
-        # Where a plausibility filter left only EOS, or ruled EOS out, there is nothing to trade
-        # between EOS and the rest: the filtered distribution stays as it is (no 0/0 NaN).
-        rest_mass = composed.masked_fill(is_eos, float("-inf")).logsumexp(-1, keepdim=True)
-        tradeable = torch.isfinite(eos_mass) & torch.isfinite(rest_mass)  # (..., 1)
-        composed = torch.where(tradeable, adjusted, composed)
-    return composed
-
-
 class RemedySettings(BaseModel):
     """One combination of remedies (at least one).
 
@@ -429,7 +411,10 @@ class RemedySettings(BaseModel):
       `termination_threshold` as the activity threshold of "active");
     * `shared_delta: true`: `SharedDelta()`, a change the experts share counted once;
     * `sign_consensus: true`: `SignConsensus(sign_consensus_density)`, TIES's trim and sign election per token
-      (`sign_consensus_density` 1, the default, trims nothing). At most one of the two.
+      (`sign_consensus_density` 1, the default, trims nothing). At most one of the two;
+    * `custom`: remedies of your own, each `{class: package.module:Name, its parameters...}`
+      (`mergecompose.composition.remedy_imports.ImportedRemedy`), after the built-ins in their phases. A set
+      of one such remedy can be written as its entry alone: `{class: my_package.remedies:Temper, alpha: 0.5}`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -443,6 +428,15 @@ class RemedySettings(BaseModel):
     shared_delta: bool = Field(False, exclude_if=lambda value: not value)
     sign_consensus: bool = Field(False, exclude_if=lambda value: not value)
     sign_consensus_density: float = Field(1.0, gt=0, le=1, exclude_if=lambda value: value == 1.0)
+    custom: tuple[ImportedRemedy, ...] = Field((), exclude_if=lambda value: not value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_remedy_of_your_own(cls, data: Any) -> Any:
+        """`{class: PATH, ...}` alone is the set `{custom: [{class: PATH, ...}]}`."""
+        if isinstance(data, Mapping) and CLASS_KEY in data:
+            return {"custom": [data]}
+        return data
 
     @model_validator(mode="after")
     def _something(self) -> RemedySettings:
@@ -453,10 +447,11 @@ class RemedySettings(BaseModel):
             and self.termination is None
             and not self.shared_delta
             and not self.sign_consensus
+            and not self.custom
         ):
             raise ValueError(
                 "a remedy set needs at least one of `gate`, `plausibility_alpha`, `plausibility_top_p`, `termination`, "
-                "`shared_delta`, `sign_consensus`"
+                "`shared_delta`, `sign_consensus`, or a remedy of your own (`class: package.module:Name`)"
             )
         if self.shared_delta and self.sign_consensus:
             raise ValueError("give `shared_delta` or `sign_consensus`, not both (each replaces how the deltas add up)")
@@ -470,16 +465,27 @@ class RemedySettings(BaseModel):
     @classmethod
     def parse(cls, text: str) -> RemedySettings:
         """The string form used where a mapping cannot go (lm-eval's `model_args`):
-        `name:value` pairs of these fields joined by `;`, e.g. `gate:0.1;termination:base`."""
-        values: dict[str, str] = {}
+        `name:value` pairs of these fields joined by `;`, e.g. `gate:0.1;termination:base`. A remedy of your
+        own is `class:package.module:Name` followed by its parameters, each value read as YAML
+        (`gate:0.1;class:my_package.remedies:Temper;alpha:0.5`): the pairs after a `class` are its own."""
+        values: dict[str, Any] = {}
+        custom: list[dict[str, Any]] = []
         for part in filter(None, (piece.strip() for piece in text.split(";"))):
             name, separator, value = part.partition(":")
             if not separator or not name.strip() or not value.strip():
                 raise ValueError(
-                    f"`remedies` must be `field:value` pairs joined by ';' (fields: {sorted(cls.model_fields)}), "
-                    f"got {text!r}"
+                    f"`remedies` must be `field:value` pairs joined by ';' (fields: {sorted(cls.model_fields)}, or "
+                    f"`{CLASS_KEY}:package.module:Name` and its parameters), got {text!r}"
                 )
-            values[name.strip()] = value.strip()
+            name, value = name.strip(), value.strip()
+            if name == CLASS_KEY:
+                custom.append({CLASS_KEY: value})
+            elif custom:
+                custom[-1][name] = yaml_scalar(value)
+            else:
+                values[name] = value
+        if custom:
+            values["custom"] = custom
         try:
             return cls.model_validate(values)
         except ValidationError as error:
@@ -500,4 +506,5 @@ class RemedySettings(BaseModel):
             remedies.append(
                 TerminationRule(eos_token_id, source=self.termination, threshold=self.termination_threshold)
             )
+        remedies.extend(imported.build(eos_token_id) for imported in self.custom)
         return remedies

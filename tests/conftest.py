@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,12 @@ from mergecompose.studies.math_code import code_split, math_split, training_batc
 
 SMOLLM2 = "smollm2-135m-instruct"
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1" under pytest-xdist; None in one process
+
+# Users' own code (a remedy, a merge method) outside the package, which the tests name by import path
+# (`user_remedies:BaseTopK`), as a user's project is on their path.
+EXTENSIONS = Path(__file__).resolve().parent / "extensions"
+if str(EXTENSIONS) not in sys.path:
+    sys.path.insert(0, str(EXTENSIONS))
 
 torch.set_num_threads(1 if WORKER else 2)  # the two workers take a core each
 

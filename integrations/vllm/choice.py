@@ -30,6 +30,8 @@ from mergecompose.composition.rule import MAX_ABS_WEIGHT
 
 EXPERTS_KEY = "experts"
 WEIGHTS_KEY = "weights"
+# The composite applies the plain rule only: a request that asks for a remedy is refused, not served without it.
+REMEDY_KEYS = ("remedy", "remedies")
 # A value is quoted in an error to at most this many characters: a request may send half a megabyte.
 MAX_QUOTED_CHARS = 80
 # A weight given as a string: a plain decimal or float literal. Stricter than float(), which also reads "1_0",
@@ -83,8 +85,15 @@ def parse_expert_choice(
 
 def check_keys(extra_args: Mapping[object, object]) -> None:
     """Refuse a key that is a near miss of `experts` or `weights` (`near_miss`): a request that misspells one would
-    otherwise be served with the folder's composition. Keys far from both belong to other processors and pass."""
+    otherwise be served with the folder's composition. Keys far from both belong to other processors and pass. A
+    remedy (`remedy`, `remedies`) is refused: the composite supports none."""
     for key in extra_args:
+        if isinstance(key, str) and key.lower() in REMEDY_KEYS:
+            raise ValueError(
+                f"`vllm_xargs` key {quote(key)}: the vLLM composite applies the plain rule and supports no remedy; "
+                "compose with remedies through `ComposedLM`, `mergecompose generate --remedy` or lm-eval's "
+                "`--model mergecompose`"
+            )
         for meant in (EXPERTS_KEY, WEIGHTS_KEY):
             if isinstance(key, str) and key not in (EXPERTS_KEY, WEIGHTS_KEY) and near_miss(key, meant):
                 raise ValueError(

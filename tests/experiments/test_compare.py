@@ -360,11 +360,7 @@ def test_a_variant_adds_its_systems_and_the_contrast_and_changes_no_main_number(
     }
     config = CompareConfig.model_validate(data)
     out_dir = tmp_path / "run"
-    (out_dir / "checkpoints").mkdir(parents=True)
-    for folder in (main_dir / "checkpoints").iterdir():  # the main setting's components, as a cache
-        if folder.is_dir():
-            (out_dir / "checkpoints" / folder.name).symlink_to(folder)
-    results = run_compare(config, out_dir, progress=False, echo=None)
+    results = _run_on_the_main_checkpoints(config, main_dir, out_dir)
 
     variant_systems = {f"contiguous/{name}" for name in SYSTEMS if ":lora" not in name}
     assert set(results["systems"]) == SYSTEMS | variant_systems
@@ -395,3 +391,30 @@ def test_a_variant_adds_its_systems_and_the_contrast_and_changes_no_main_number(
     markdown = (out_dir / "results.md").read_text()
     assert "## Merging against composing" in markdown and "contiguous (n=48)" in markdown
     assert (out_dir / "length.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_remedy_of_ones_own_is_a_system_of_the_compare(small_run, tmp_path):
+    """A remedy set `{class: user_remedies:Scale, alpha: 1.0}` (a user's module outside the package) is evaluated as
+    `compose+same`: multipliers of 1 leave the rule as it is, so every number is the plain composition's; the resolved
+    config names the class and its module's hash."""
+    _, _, main_dir, main_results, _ = small_run
+    config = CompareConfig.model_validate(
+        {**SMALL, "remedies": {"same": {"class": "user_remedies:Scale", "alpha": 1.0}}}
+    )
+    out_dir = tmp_path / "run"
+    results = _run_on_the_main_checkpoints(config, main_dir, out_dir)
+    assert set(results["systems"]) == SYSTEMS | {"compose+same"}
+    same, plain = results["systems"]["compose+same"], main_results["systems"]["compose"]
+    assert same["splits"] == plain["splits"] and same["by_length"] == plain["by_length"]
+    (entry,) = results["config"]["remedies"]["same"]["custom"]
+    assert entry["class"] == "user_remedies:Scale" and entry["alpha"] == 1.0 and len(entry["source_sha256"]) == 64
+    assert load_config(out_dir / "config.yaml") == config  # the resolved config loads back as the same config
+
+
+def _run_on_the_main_checkpoints(config: CompareConfig, main_dir: Path, out_dir: Path) -> dict:
+    """`run_compare` into `out_dir`, with the main run's trained components linked in as its cache."""
+    (out_dir / "checkpoints").mkdir(parents=True)
+    for folder in (main_dir / "checkpoints").iterdir():
+        if folder.is_dir():
+            (out_dir / "checkpoints" / folder.name).symlink_to(folder)
+    return run_compare(config, out_dir, progress=False, echo=None)

@@ -81,6 +81,43 @@ CASES = [
         r"`--remedy` must be a mapping of remedy fields",
     ),
     Case("generate-remedy-out-of-range", "clear", _generate("--remedy", "{gate: -1}"), r"`--remedy` .*gate"),
+    # A remedy of one's own (`tests/extensions/user_remedies.py`): refused before any model loads.
+    Case(
+        "generate-remedy-class-that-does-not-import",
+        "clear",
+        _generate("--remedy", "{class: no_such_package.remedies:Temper}"),
+        r"`class` 'no_such_package.remedies:Temper': module 'no_such_package.remedies' does not import",
+    ),
+    Case(
+        "generate-remedy-class-without-the-protocol",
+        "clear",
+        _generate("--remedy", "{class: collections:OrderedDict}"),
+        r"'collections:OrderedDict' does not make a remedy: remedy OrderedDict declares no phase",
+    ),
+    Case(
+        "generate-remedy-class-of-no-phase",
+        "clear",
+        _generate("--remedy", "{class: user_remedies:LogitsPhase}"),
+        r"LogitsPhase declares phase 'logits', which is not one: .*one of exponent, score, mask, termination",
+    ),
+    Case(
+        "generate-remedy-class-without-its-method",
+        "clear",
+        _generate("--remedy", "{class: user_remedies:NoMethod}"),
+        r"NoMethod declares phase 'mask' but has no method `allowed`",
+    ),
+    Case(
+        "generate-remedy-class-parameter-it-does-not-take",
+        "clear",
+        _generate("--remedy", "{class: user_remedies:BaseTopK, top: 3}"),
+        r"'user_remedies:BaseTopK' takes no parameter 'top'; it takes \['k'\]",
+    ),
+    Case(
+        "generate-remedy-class-parameter-it-refuses",
+        "clear",
+        _generate("--remedy", "{class: user_remedies:BaseTopK, k: 0}"),
+        r"user_remedies:BaseTopK\(k=0\): ValueError: `k` must be an integer >= 1, got 0",
+    ),
     Case("generate-out-over-an-input", "clear", _out_over_an_input, r"`--out` .* lies inside the input"),
     Case(
         "generate-out-is-a-folder",

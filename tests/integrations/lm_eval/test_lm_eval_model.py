@@ -201,6 +201,19 @@ def test_model_args_as_a_string_with_bars(setup):
     assert model.composed.expert_names == ["ab", "cd"] and len(model.composed.remedies) == 1
 
 
+def test_model_args_name_a_remedy_of_ones_own(setup):
+    """`remedies=gate:0.1;class:user_remedies:Scale;alpha:0.5`: the built-in gate, then the user's remedy (a module
+    outside the package) with its parameter read as YAML."""
+    adapters = setup["adapters"]
+    string = (
+        f"base={setup['root'] / 'base'},experts={adapters['ab']}|{adapters['cd']},"
+        "remedies=gate:0.1;class:user_remedies:Scale;alpha:0.5"
+    )
+    model = lm_eval.api.registry.get_model("composed").create_from_arg_string(string, {"device": "cpu"})
+    gate, scale = model.composed.remedies
+    assert type(gate).__name__ == "ActivityGate" and type(scale).__name__ == "Scale" and scale.alpha == 0.5
+
+
 def test_experts_with_another_tokenizer_are_refused_naming_both(setup):
     with pytest.raises(ValueError, match="tokenizer") as error:
         _samples(
@@ -219,6 +232,7 @@ def test_experts_with_another_tokenizer_are_refused_naming_both(setup):
         ("weights=1.0|x", "`weights` must be numbers"),
         ("remedies=gate", "`remedies` must be `field:value` pairs"),
         ("remedies=gate:-1", "gate: Input should be greater than or equal to 0"),
+        ("remedies=class:user_remedies:NoMethod", "NoMethod declares phase 'mask' but has no method `allowed`"),
         ("dtype=float8", "`dtype` must be one of"),
         ("chunk_megabytes=0", r"`chunk_megabytes` must be a positive integer \(it must be >= 1\), got 0"),
     ],

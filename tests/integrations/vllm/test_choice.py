@@ -209,3 +209,11 @@ def test_prompt_logprobs_with_own_experts_are_refused():
     with pytest.raises(ValueError, match="prompt log-probs are composed with the server's own weights"):
         parse_expert_choice({"experts": "math"}, NAMES, prompt_logprobs=0)
     assert parse_expert_choice({}, NAMES, prompt_logprobs=0) is None  # the folder's weights: allowed
+
+
+@pytest.mark.parametrize("key", ["remedy", "remedies", "Remedies"])
+def test_a_request_for_a_remedy_is_refused_in_one_line(key):
+    """The composite applies the plain rule: a request asking for a remedy is refused, not served without it."""
+    extra_args = {"experts": "math", key: "{class: my_package.remedies:Temper}"}
+    with pytest.raises(ValueError, match=rf"^`vllm_xargs` key '{key}': the vLLM composite .* supports no remedy; "):
+        parse_expert_choice(extra_args, NAMES)
