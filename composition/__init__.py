@@ -10,17 +10,29 @@ from mergecompose.composition.remedies import (
     compose_with_remedies,
     compose_with_remedies_unchecked,
 )
+from mergecompose.composition.remedy_phases import (
+    PHASES,
+    ExponentRemedy,
+    MaskRemedy,
+    ScoreRemedy,
+    TerminationRemedy,
+)
 from mergecompose.composition.rule import check_composition, compose_logprobs, compose_logprobs_unchecked
 from mergecompose.composition.speculative.acceptance import outcome_probabilities
 from mergecompose.composition.speculative.decoding import SpeculationStats
 
 __all__ = [
+    "PHASES",
     "ActivityGate",
     "ComposedLM",
     "DecodingConfig",
+    "ExponentRemedy",
+    "MaskRemedy",
     "PlausibilityFilter",
     "RemedySettings",
+    "ScoreRemedy",
     "SpeculationStats",
+    "TerminationRemedy",
     "TerminationRule",
     "check_composition",
     "compose_logprobs",

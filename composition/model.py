@@ -57,9 +57,9 @@ class ComposedLM:
     """Probability-space composition of a base causal LM and k experts sharing one vocabulary.
 
     At every position, `log p̂ = log p_b + Σ_i w_i (log p_i − log p_b)`, renormalised
-    (Kumar, Bucarelli & Natale, 2026; see `compose_logprobs`). Optional `remedies`
-    (`ActivityGate`, `PlausibilityFilter`, `TerminationRule` from `mergecompose.composition.remedies`) change
-    the rule at every step; see `compose_with_remedies`.
+    (Kumar, Bucarelli & Natale, 2026; see `compose_logprobs`). Optional `remedies` (the built-ins of
+    `mergecompose.composition.remedies`, or any object of the protocol of `remedy_phases`) change the rule at
+    every step, phase by phase; see `compose_with_remedies`.
 
     `close()`, or leaving a `with ComposedLM...(...) as lm:` block, gives the models back as
     they were (see `from_adapters`); the ComposedLM cannot be used afterwards.
@@ -74,7 +74,7 @@ class ComposedLM:
         weights: k exponents, default 1.0 each.
         tokenizers: optional tokenizers, one per component (base first) or a single one for all;
             when several are given their vocabularies must agree.
-        remedies: rule changes applied at every step, in order.
+        remedies: rule changes applied at every step, in their phases' order, in the order given within one.
         names: k unique, non-empty expert names (`expert_names`); default `expert_0`, `expert_1`, ...
     """
 

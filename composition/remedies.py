@@ -32,6 +32,7 @@ gives the same distribution.
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -490,6 +491,20 @@ class RemedySettings(BaseModel):
             return cls.model_validate(values)
         except ValidationError as error:
             raise ValueError(f"`remedies` {text!r}: {validation_message(error)}") from None
+
+    def as_model_args(self) -> str:
+        """The string form `parse` reads: the fields set, then each remedy of your own as `class:PATH` and its
+        parameters (values as JSON, which `parse` reads as YAML). Refuses a value holding `;` or `,`, which
+        lm-eval's `model_args` cannot carry."""
+        pairs = [f"{key}:{value}" for key, value in self.model_dump(exclude_none=True, exclude={"custom"}).items()]
+        for imported in self.custom:
+            pairs.append(f"{CLASS_KEY}:{imported.path}")
+            pairs.extend(f"{name}:{json.dumps(value)}" for name, value in imported.params.items())
+        text = ";".join(pairs)
+        for pair in pairs:
+            if any(mark in pair.partition(":")[2] for mark in ";,"):
+                raise ValueError(f"`remedies`: {pair!r} holds ';' or ',', which lm-eval's `model_args` cannot carry")
+        return text
 
     def build(self, eos_token_id: int) -> list:
         """The `mergecompose.composition.remedies` objects, for `ComposedLM(..., remedies=...)`."""

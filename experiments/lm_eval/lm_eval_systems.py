@@ -112,13 +112,13 @@ def composition_systems(config: LmEvalCompareConfig) -> dict[str, System]:
         if composition.weights is not None:
             args["weights"] = list(composition.weights)
         if composition.remedies is not None:  # RemedySettings.parse's string form
-            args["remedies"] = ";".join(
-                f"{key}:{value}" for key, value in composition.remedies.model_dump(exclude_none=True).items()
-            )
+            args["remedies"] = composition.remedies.as_model_args()
         identity = {
             "base": source_identity(config.base),
             "experts": [source_identity(path) for path in args["experts"]],
         }
+        if composition.remedies is not None and composition.remedies.custom:  # their code's hashes, for the cache
+            identity["remedies"] = composition.remedies.model_dump(mode="json")["custom"]
         systems[name] = System(name, LmEvalModel("composed", args), {**args, **identity})
     return systems
 

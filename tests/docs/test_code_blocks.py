@@ -13,7 +13,8 @@ runs as written unless an HTML comment on the line just above its fence says oth
 - `skip`: not run (a GPU, the hub, Ray, a server); pytest reports it as skipped, with the why.
 - `synopsis`: a usage line with placeholders; every `--option` it names must be one its command accepts.
 - `api`: a Python API example of the README; it must be one of the blocks `test_readme_examples.py` runs and checks.
-- `file PATH`: the content of PATH, written into the working folder for the blocks after it.
+- `file PATH`: the content of PATH, written into the working folder for the blocks after it (a `.py` file there
+  imports by name in the ```python blocks, as it would for `python` run in that folder).
 - `tiny`: ```python run with `base`, `expert_a`, `expert_b`, `ids` and `small_model` bound to tiny random Llamas.
 - `layout`: a listing of the checkout; every folder (`name/`) and `.py` file it names exists, under its parent.
 
@@ -37,6 +38,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,10 +155,13 @@ def run_block(block: CodeBlock, reader: Reader) -> None:
         return
     cwd = Path.cwd()
     os.chdir(reader.root)
+    # As `python` run in the working folder has it: a module a page writes there (`file`) imports by name.
+    sys.path.insert(0, str(reader.root))
     try:
         RUNNERS[block.mode](block, reader)
     finally:
         os.chdir(cwd)
+        sys.path.remove(str(reader.root))
 
 
 def run_as_written(block: CodeBlock, reader: Reader) -> None:

@@ -18,12 +18,13 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from mergecompose.cli import main
+from mergecompose.composition import RemedySettings
 from mergecompose.experiments.compare import run_compare
 from mergecompose.experiments.compare_config import CompareConfig, load_config
 from mergecompose.experiments.evaluate import wilson_interval
 from mergecompose.experiments.lm_eval import LmEvalCompareConfig
 from mergecompose.experiments.lm_eval.lm_eval_compare import run_lm_eval_compare
-from mergecompose.experiments.lm_eval.lm_eval_systems import build_merge, plan_merge, slug
+from mergecompose.experiments.lm_eval.lm_eval_systems import build_merge, composition_systems, plan_merge, slug
 from mergecompose.experiments.lm_eval.native_run import prompt_text, write_generate_task
 from mergecompose.experiments.plugins import compare_kinds, register_compare_kind
 from mergecompose.experiments.tokenizer import build_tokenizer
@@ -444,6 +445,26 @@ def test_config_errors_name_the_field(native_run, tmp_path, change, message):
     path.write_text(yaml.safe_dump({**data, **change}))
     with pytest.raises(ValueError, match=message):
         load_config(path)
+
+
+def test_a_composition_with_a_remedy_of_ones_own_carries_it_to_lm_eval(native_run, tmp_path):
+    """`compositions.*.remedies` may name a user's remedy: lm-eval's model gets it in the string form `parse` reads
+    back, and the system's identity (its cache key) holds the module's hash."""
+    _, native = native_run
+    data = {
+        "task": {"type": "lm_eval", "names": ["held_out"], "include_path": str(_one_task(tmp_path))},
+        "base": native["checkpoints"]["base"],
+        "experts": {"ab": native["checkpoints"]["experts"]["ab"]},
+        "compositions": {"mine": {"experts": ["ab"], "remedies": {"class": "user_remedies:Scale", "alpha": 0.5}}},
+    }
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(data))
+    config = load_config(path)
+    system = composition_systems(config)["mine"]
+    assert system.load.model_args["remedies"] == "termination_threshold:0.1;class:user_remedies:Scale;alpha:0.5"
+    assert RemedySettings.parse(system.load.model_args["remedies"]) == config.compositions["mine"].remedies
+    (entry,) = system.identity["remedies"]
+    assert entry["class"] == "user_remedies:Scale" and len(entry["source_sha256"]) == 64
 
 
 def test_a_compare_kind_is_registered_once():
