@@ -193,14 +193,8 @@ class LmEvalCompareConfig(StrictModel):
     @classmethod
     def _merges(cls, value):
         check_merge_grids(value)
-        user_methods = sorted(method for method in value if is_import_path(method))
-        if user_methods:
-            raise ValueError(
-                f"merges of a `type: lm_eval` compare are written by mergekit, which runs only its own methods, not "
-                f"your {user_methods}; merge with yours in memory (`mergecompose merge` with our typed config, "
-                "`method: package.module:Name`) and list the merged checkpoint under `experts`"
-            )
-        offline = sorted(method for method in value if not METHODS[method].mergekit)
+        # A user's method (an import path) is merged in memory; the built-ins are written by mergekit.
+        offline = sorted(method for method in value if not is_import_path(method) and not METHODS[method].mergekit)
         if offline:
             raise ValueError(
                 f"merges are written by mergekit, which does not run {offline}; use one of "
@@ -217,6 +211,8 @@ class LmEvalCompareConfig(StrictModel):
             merged = self.merged_experts()
             self._known_experts(merged, "merge_experts")
             for method, grid in self.merges.items():
+                if is_import_path(method):  # merged in memory; each grid point was validated by its settings model
+                    continue
                 for params in grid.candidates():  # with mergekit's definitions, as merge_checkpoints runs it
                     self.merge_config(method, params, {name: self.experts[name] for name in merged})
             if self.merge_selection is None and any(len(grid.candidates()) > 1 for grid in self.merges.values()):

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import mergecompose.integrations.lm_eval.harness_model  # noqa: F401  (registers lm-eval's `composed` model)
 from mergecompose.composition.loading import is_adapter_source
 from mergecompose.core.boundary import check_checkpoint
+from mergecompose.core.import_paths import is_import_path, source_hash
 from mergecompose.core.io import atomic_output_dir, manifest_problem, write_manifest
 from mergecompose.core.precision import DTYPES
 from mergecompose.experiments.compare_config import fingerprint
@@ -148,17 +149,19 @@ def plan_merge(config: LmEvalCompareConfig, method: str, params: dict, cache: Pa
             "seed": config.seed_merges,
             "sources": [source_identity(source) for source in sources],
             **({"definitions": config.merge_definitions} if config.merge_definitions != "mergekit" else {}),
+            **({"user_code": source_hash(method)} if is_import_path(method) else {}),
         }
     )
-    return MergeBuild(method, dict(params), key, cache / f"merge-{method}-{key}")
+    return MergeBuild(method, dict(params), key, cache / f"merge-{slug(method)}-{key}")
 
 
 def build_merge(config: LmEvalCompareConfig, build: MergeBuild, cache: Path) -> Path:
-    """The merged checkpoint folder of `build` (mergekit; LoRA experts made dense first), built unless cached."""
+    """The merged checkpoint folder of `build` (mergekit, or in memory for the papers' definitions and a user's own
+    method; LoRA experts made dense first), built unless cached."""
     if _reusable(build.folder):
         return build.folder
     experts = {name: dense_checkpoint(config, name, cache) for name in config.merged_experts()}
-    if config.merge_definitions == "paper":
+    if config.merge_definitions == "paper" or is_import_path(build.method):
         _merge_in_memory(config, build, list(experts.values()))
     else:
         options = {"device": config.device} if config.device != "cpu" else None
@@ -185,8 +188,8 @@ def _reusable(folder: Path) -> bool:
 
 
 def _merge_in_memory(config: LmEvalCompareConfig, build: MergeBuild, experts: list[str]) -> None:
-    """`mergecompose.merging.merge` with the papers' definitions (as `mergecompose compare` merges), saved as a
-    checkpoint with the base's tokenizer."""
+    """`mergecompose.merging.merge` with the papers' definitions (as `mergecompose compare` merges), or a user's own
+    method, saved as a checkpoint with the base's tokenizer."""
     dtype = DTYPES[config.dtype]
     base = AutoModelForCausalLM.from_pretrained(config.base, dtype=dtype)
     models = [AutoModelForCausalLM.from_pretrained(expert, dtype=dtype) for expert in experts]

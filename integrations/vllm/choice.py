@@ -92,7 +92,7 @@ def check_keys(extra_args: Mapping[object, object]) -> None:
             raise ValueError(
                 f"`vllm_xargs` key {quote(key)}: the vLLM composite applies the plain rule and supports no remedy; "
                 "compose with remedies through `ComposedLM`, `mergecompose generate --remedy` or lm-eval's "
-                "`--model mergecompose`"
+                "`--model composed`"
             )
         for meant in (EXPERTS_KEY, WEIGHTS_KEY):
             if isinstance(key, str) and key not in (EXPERTS_KEY, WEIGHTS_KEY) and near_miss(key, meant):

@@ -467,6 +467,34 @@ def test_a_composition_with_a_remedy_of_ones_own_carries_it_to_lm_eval(native_ru
     assert entry["class"] == "user_remedies:Scale" and len(entry["source_sha256"]) == 64
 
 
+def test_a_user_merge_method_is_merged_in_memory(native_run, tmp_path):
+    """`merges:` may name a user's method (tests/extensions/user_merges.py): mergekit does not run it, so its merge is
+    built in memory, θ_base + λ · (the task vector of larger L2 norm) per tensor, checked here by hand; its folder's key
+    holds the module's hash."""
+    _, native = native_run
+    checkpoints = native["checkpoints"]
+    data = {
+        "task": {"type": "lm_eval", "names": ["held_out"], "include_path": str(_one_task(tmp_path))},
+        "base": checkpoints["base"],
+        "experts": checkpoints["experts"],
+        "merges": {"user_merges:largest_task_vector": {"lam": [0.5]}},
+    }
+    config = LmEvalCompareConfig.model_validate(data)
+    build = plan_merge(config, "user_merges:largest_task_vector", {"lam": 0.5}, tmp_path / "cache")
+    assert build.folder.name.startswith("merge-user_merges_largest_task_vector-")
+    folder = build_merge(config, build, tmp_path / "cache")
+    merged = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(checkpoints["base"]).state_dict()
+    experts = [AutoModelForCausalLM.from_pretrained(path).state_dict() for path in checkpoints["experts"].values()]
+    for name, tensor in base.items():
+        if not tensor.is_floating_point():
+            continue
+        deltas = [expert[name] - tensor for expert in experts]
+        largest = max(deltas, key=lambda delta: delta.norm().item())
+        torch.testing.assert_close(merged[name], tensor + 0.5 * largest, rtol=0, atol=1e-6)
+    assert (folder / "tokenizer_config.json").is_file()  # the base's tokenizer travels with the merge
+
+
 def test_a_compare_kind_is_registered_once():
     assert compare_kinds()["lm_eval"].config is LmEvalCompareConfig
     with pytest.raises(ValueError, match="already registered"):

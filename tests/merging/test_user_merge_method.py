@@ -20,7 +20,6 @@ from mergecompose.cli import main
 from mergecompose.core.io import read_yaml_mapping
 from mergecompose.experiments.compare import run_compare
 from mergecompose.experiments.compare_config import CompareConfig, config_fingerprint, fingerprint
-from mergecompose.experiments.lm_eval import LmEvalCompareConfig
 from mergecompose.experiments.merge_selection import merged_model
 from mergecompose.merging import TaskVector, in_memory_checkpoints, merge, merge_checkpoints, validate_merge_params
 
@@ -182,17 +181,6 @@ def test_mergekit_keeps_its_own_methods(checkpoints, tmp_path):
     }
     with pytest.raises(ValueError, match="is not a method mergekit runs"):
         merge_checkpoints(theirs, tmp_path / "out")
-
-
-def test_lm_eval_compares_refuse_a_user_method(checkpoints):
-    data = {
-        "task": {"names": ["arc_easy"]},
-        "base": str(checkpoints / "base"),
-        "experts": {"one": str(checkpoints / "expert_0")},
-        "merges": {FUNCTION: {"lam": [1.0]}},
-    }
-    with pytest.raises(ValidationError, match="written by mergekit, which runs only its own methods"):
-        LmEvalCompareConfig.model_validate(data)
 
 
 # ---- `compare` configs ----------------------------------------------------------------------------------
