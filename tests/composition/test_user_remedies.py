@@ -108,10 +108,10 @@ def test_generate_with_a_remedy_of_ones_own(smollm2_dir, smollm2_adapters, tmp_p
 def test_a_config_entry_names_its_class_and_its_fingerprint_follows_the_code(tmp_path, monkeypatch):
     """`{class: PATH, ...}` validates to the remedy; a dump carries the module's hash, so a fingerprint of the config
     changes when the user's code does, and the dump validates back to the same settings."""
-    module = tmp_path / "my_remedies.py"
+    module = tmp_path / "remedy_under_edit.py"  # a name no other test imports (the modules are cached)
     module.write_text(_module_text("0.5"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    settings = RemedySettings.model_validate({"class": "my_remedies:Half", "alpha": 0.25})
+    settings = RemedySettings.model_validate({"class": "remedy_under_edit:Half", "alpha": 0.25})
     (remedy,) = settings.build(eos_token_id=3)
     assert type(remedy).__name__ == "Half" and remedy.alpha == 0.25 and remedy.eos == 3  # eos_token_id filled in
     before = fingerprint(settings)
