@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -22,6 +22,7 @@ from mergecompose.merging.state_dicts import (
     state_dict_of,
 )
 from mergecompose.merging.task_vector import TaskVector
+from mergecompose.merging.user_methods import import_path_of
 
 # Pass as `merge(..., **MERGEKIT_MODE)` to follow mergekit's definitions (what `merge_checkpoints`
 # computes on disk), or `**PEFT_MODE` for peft's `merge_utils`. The defaults follow the papers.
@@ -30,7 +31,7 @@ PEFT_MODE = MappingProxyType({"consensus": "paper", "trim_scope": "per_tensor", 
 
 
 def merge(
-    method: str,
+    method: str | Callable[..., Any],
     base: torch.nn.Module | Mapping[str, torch.Tensor],
     finetuned_or_task_vectors: Sequence[torch.nn.Module | Mapping[str, torch.Tensor] | TaskVector],
     *,
@@ -43,7 +44,8 @@ def merge(
     """Merge k fine-tuned models (or task vectors) into `base`: θ = θ_base + λ · merge_i(w_i, τ_i).
 
     Args:
-        method: a name in `mergecompose.merging.METHODS`.
+        method: a name in `mergecompose.merging.METHODS`, a user's method as its import path
+            `package.module:Name`, or the user's function or class itself (named by its import path).
         base: the base model (torch module) or its state dict.
         finetuned_or_task_vectors: a list of k models, state dicts or `TaskVector`s (mixed is
             fine); models and state dicts become τ_i = θ_i − θ_base.
@@ -90,6 +92,7 @@ def merge(
             (unless `allow_nonfinite`) NaN or inf in an input or in the merged result.
         FileExistsError: `out_dir` exists and `overwrite` is False.
     """
+    method = import_path_of(method)
     merge_method = get_method(method)
     if isinstance(finetuned_or_task_vectors, (TaskVector, Mapping, torch.nn.Module)) or not isinstance(
         finetuned_or_task_vectors, Sequence

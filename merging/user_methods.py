@@ -69,6 +69,31 @@ class UserMergeMethod:
         return _checked_result(self.name, merged, base)
 
 
+def import_path_of(method: object, argument: str = "method") -> str:
+    """`method` as a name `merge` takes: a string as it is; a function or class, defined at the top of an importable
+    module, as its import path `module:Name`; an instance as its class's path (which `resolve_user_method` builds
+    again without arguments). So the resolved settings name code that can be found again.
+
+    Raises:
+        ValueError: an object that its import path does not give back (a function defined inside another, a
+            lambda, an object whose module cannot be imported).
+    """
+    if isinstance(method, str):
+        return method
+    target = method if inspect.isfunction(method) or isinstance(method, type) else type(method)
+    path = f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', '?')}"
+    try:
+        found = resolve_import_path(path, argument)
+    except ValueError:
+        found = None
+    if found is not target:
+        raise ValueError(
+            f"`{argument}` {method!r} cannot be named by an import path ({path!r} does not give it back): define it "
+            "at the top of a module, or pass its import path `package.module:Name`"
+        )
+    return path
+
+
 def resolve_user_method(value: str, argument: str = "method") -> UserMergeMethod:
     """The merge method that import path `value` names (see the module's docstring for what it may be).
 

@@ -71,6 +71,24 @@ def test_golden_values_for_the_function_and_the_class():
         assert all(torch.equal(original[name], item[name]) for name in original)  # inputs untouched
 
 
+def test_in_python_the_function_or_class_itself_is_named_by_its_import_path():
+    """`merge(largest_task_vector, ...)`: the object gives the same merge as its import path; one that its path does
+    not give back (a function defined inside another) is refused, naming what to pass instead."""
+    import user_merges
+
+    base = {"w": torch.zeros(2, 2)}
+    first, second = TaskVector({"w": torch.eye(2)}), TaskVector({"w": torch.tensor([[0.0, -2.0], [0.0, 0.0]])})
+    by_path = merge(FUNCTION, base, [first, second], lam=0.5, progress=False)
+    for method in (user_merges.largest_task_vector, user_merges.LargestTaskVector, user_merges.LargestTaskVector()):
+        assert torch.equal(merge(method, base, [first, second], lam=0.5, progress=False)["w"], by_path["w"])
+
+    def inner(base, task_vectors, settings: user_merges.LargestSettings):
+        return {}
+
+    with pytest.raises(ValueError, match=r"cannot be named by an import path .*define it at the top of a module"):
+        merge(inner, base, [first], progress=False)
+
+
 def test_the_settings_record_the_import_path_as_the_method():
     settings = validate_merge_params(FUNCTION, {"lam": 0.5}, count=2)
     assert settings.method == FUNCTION and settings.weights == [1.0, 1.0] and settings.lam == 0.5
