@@ -231,7 +231,9 @@ def delta_norm_ratio(centred_i: torch.Tensor, centred_j: torch.Tensor, weight: t
     freely in fine-tuning and would set an unweighted norm over a large vocabulary.
 
     Args:
-        centred_i, centred_j: `(..., V)` centred deltas, e.g. `(batch, seq, vocab)`; weight: `(..., V)`.
+        centred_i: `(..., V)` centred delta of expert i, e.g. `(batch, seq, vocab)`.
+        centred_j: `(..., V)` centred delta of expert j.
+        weight: `(..., V)` the weight of each token.
 
     Returns:
         `()` float32: +inf where only one delta is 0 at every weighted token, NaN where both are.

@@ -57,7 +57,8 @@ def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """KL(p ‖ q) = Σ_v p(v) (log p(v) − log q(v)) over the last axis.
 
     Args:
-        p, q: `(..., V)` logits or log-probs (normalised here with log-softmax).
+        p: `(..., V)` logits or log-probs (normalised here with log-softmax).
+        q: `(..., V)` logits or log-probs, the same shape.
 
     Returns:
         `(...)` float32, in nats. Terms with p(v) = 0 contribute 0 (0·log 0 = 0); a token with
@@ -94,7 +95,8 @@ def conditional_kl(p: torch.Tensor, q: torch.Tensor, subset: torch.Tensor) -> to
     `p(v|M) = p(v) / Σ_{u∈M} p(u)` for v ∈ M, and 0 outside M.
 
     Args:
-        p, q: `(..., V)` logits or log-probs.
+        p: `(..., V)` logits or log-probs.
+        q: `(..., V)` logits or log-probs, the same shape.
         subset: `(..., V)` bool mask of M, broadcastable to `p`.
 
     Returns:
@@ -221,7 +223,10 @@ def single_active_error(
     composition equals the reference exactly, so the error is 0.
 
     Args:
-        base `(..., V)`, experts `(k, ..., V)`, composed `(..., V)`; active `(k, ...)` bool.
+        base: `(..., V)` the base's logits or log-probs.
+        experts: `(k, ..., V)` the experts'.
+        composed: `(..., V)` the composition's.
+        active: `(k, ...)` bool, which experts are active at each position.
 
     Returns:
         `(kl, eligible)`: `(...)` float32 KL (0 where not eligible) and `(...)` bool,
@@ -263,8 +268,10 @@ def restricted_projective_error(
     this KL is exactly 0 (Kumar, Bucarelli & Natale, 2026, projective composition).
 
     Args:
-        base `(..., V)`, experts `(k, ..., V)`, composed `(..., V)`, supports `(k, ..., V)` bool
-        from `delta_supports` (delta_overlap.py).
+        base: `(..., V)` the base's logits or log-probs.
+        experts: `(k, ..., V)` the experts'.
+        composed: `(..., V)` the composition's.
+        supports: `(k, ..., V)` bool, from `delta_supports` (delta_overlap.py).
 
     Returns:
         `(k, ...)` float32.
@@ -353,7 +360,9 @@ def interaction_residual(merged: torch.Tensor, scaled_experts: Experts, base: to
     per-position shift that softmax ignores, so log-probs may be passed instead of logits.
 
     Args:
-        merged `(..., V)`, scaled_experts `(k, ..., V)`, base `(..., V)`.
+        merged: `(..., V)` the merge's logits.
+        scaled_experts: `(k, ..., V)` the logits of the models at `θ_b + λτ_i`.
+        base: `(..., V)` the base's logits.
 
     Returns:
         `(..., V)` float32.

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
 
 from mergecompose.analysis.overlap_settings import OverlapSettings
 from mergecompose.analysis.parameters import parameter_overlap
@@ -78,7 +79,7 @@ def measure_overlap(
     settings: OverlapSettings | None = None,
     task_vectors: Mapping[str, object] | None = None,
     parameter_density: float = 0.2,
-    tokenizer=None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     progress: bool = True,
     description: str = "overlap",
 ) -> OverlapReport:

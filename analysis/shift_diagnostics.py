@@ -168,7 +168,9 @@ def dominant_shift_error(
     with `E_t = [Σ_i s_i = 1]`.
 
     Args:
-        base `(..., V)`, experts `(k, ..., V)`, composed `(..., V)`: logits or log-probs.
+        base: `(..., V)` the base's logits or log-probs.
+        experts: `(k, ..., V)` the experts'.
+        composed: `(..., V)` the composition's.
 
     Returns:
         `(error, eligible)`: `(...)` float32 `KL(p_o ‖ q)`, 0 where not eligible, and `(...)` bool `E_t`.

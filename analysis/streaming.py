@@ -11,7 +11,7 @@ tokens: no `(N, V)` tensor for the whole data set is ever kept. `report` joins t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -142,7 +142,7 @@ class OverlapAccumulator:
         vocab_size: int,
         weights: Sequence[float] | None = None,
         settings: OverlapSettings | None = None,
-        decode=None,
+        decode: Callable[[list[int]], str] | None = None,
         chunk_positions: int | None = None,
     ):
         if len(expert_names) == 0:
