@@ -1,5 +1,7 @@
 """`mergecompose export-records`: every setting's per-item right/wrong from finished sweep folders, into one file
-(`mergecompose.studies.predict.records`), and the count of the labels recomputed from them."""
+(`mergecompose.studies.predict.records`), and the count of the labels recomputed from them; `score-rule`: the
+shipped verdict rule on a records file's real settings; `fit-rule`: the four-label rule refitted on a records file
+and scored held out against the constants (`mergecompose.studies.predict.label_fit`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from mergecompose.analysis.predict import load_rule
 from mergecompose.analysis.real_settings_score import score_on_real_settings
 from mergecompose.core.cli_common import add_common_flags, declare_paths
 from mergecompose.core.io import atomic_write_text, markdown_table
+from mergecompose.experiments.compare_config import fingerprint
+from mergecompose.experiments.run_folder import FolderLayout, RunFolder
+from mergecompose.studies.predict.label_fit import refit, refit_markdown
 from mergecompose.studies.predict.records import (
     RECORDS_FILE,
     SettingsRecords,
@@ -58,6 +63,22 @@ def add_commands(subparsers) -> None:
     declare_paths(score, inputs=("records",), configs=("rule",), outputs=(), output_files=("out",))
     score.set_defaults(func=run_score_rule)
 
+    fit = subparsers.add_parser(
+        "fit-rule",
+        help="refit the four-label rule (merge, compose, either, neither; one or two diagnostics) on a records file, "
+        "scored held out on its real settings (no setting scored by a rule fitted on one sharing an expert) against "
+        "always merge, compose, either, neither and the majority label; and which diagnostics track the label",
+    )
+    fit.add_argument("--records", required=True, metavar="FILE", help=f"a records file, e.g. {RECORDS_FILE}")
+    add_common_flags(
+        fit,
+        out="folder: results.json, results.md, label_rule.json",
+        out_required=True,
+        overwrite="replace the results of another records file in --out",
+    )
+    declare_paths(fit, inputs=("records",))
+    fit.set_defaults(func=run_fit_rule)
+
 
 def real_settings_of(records: SettingsRecords) -> list[tuple[str, dict]]:
     """(paired label, diagnostics) of every real setting of `records`."""
@@ -86,6 +107,42 @@ def run_score_rule(args) -> int:
     if not args.quiet:
         print(f"wrote {args.out}")
     return 0
+
+
+FIT_RULE_FOLDER = FolderLayout(
+    "a fit-rule folder",
+    results="results.json",
+    cached=(),
+    owns=("results.json", "results.md", "label_rule.json"),
+)
+
+
+def run_fit_rule(args) -> int:
+    records = load_records(args.records)
+    run = RunFolder(args.out, FIT_RULE_FOLDER)
+    config_hash = fingerprint(records)
+    run.check(config_hash, args.overwrite)  # before any fitting
+    results = {
+        "config_hash": config_hash,
+        "records": f"{args.records} v{records.version} ({records.made.commit}, {records.made.date})",
+        **refit(records.settings),
+    }
+    with run.claim(config_hash, args.overwrite):
+        run.write_json("results.json", results, finite=True)
+        run.write_json("label_rule.json", results["fits"]["all"]["rule"], finite=True)
+        run.write_text("results.md", refit_markdown(results))
+    for train, fit in results["fits"].items():
+        held = fit["heldout"]
+        cells = [f"rule {_share(held['rule'])}"]
+        cells += [f"{name} {_share(score)}" for name, score in held["baselines"].items()]
+        print(f"fitted on {train} settings, {fit['n_scored']} real settings held out: " + ", ".join(cells))
+    if not args.quiet:
+        print(f"\nwrote {args.out}/results.json, results.md, label_rule.json")
+    return 0
+
+
+def _share(score: dict) -> str:
+    return "–" if score["accuracy"] is None else f"{100 * score['accuracy']:.1f} %"
 
 
 def run_export_records(args) -> int:

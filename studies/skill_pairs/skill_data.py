@@ -220,6 +220,24 @@ def pair_problem(first: str, second: str) -> str | None:
     return None
 
 
+def pair_kind(first: str, second: str) -> str:
+    """The kind of a pair of skills, by what each is: "content × content" (sequential), "content × format",
+    "content × style" or "style × style" (`signature` counts as a style beside another style, as a format beside
+    content); other pairs are named by both kinds, e.g. "format × format"."""
+
+    def kind(skill: str, other: str) -> str:
+        if skill in CONTENT_SKILLS:
+            return "content"
+        if skill in STYLE_SKILLS or (skill in WHOLE_ANSWER_STYLES and other in STYLE_SKILLS):
+            return "style"
+        if skill in FORMAT_SKILLS:
+            return "format"
+        raise ValueError(f"`skill` {skill!r} is none of the skills ({', '.join(SKILLS)})")
+
+    kinds = sorted((kind(first, second), kind(second, first)), key=("content", "format", "style").index)
+    return " × ".join(kinds)
+
+
 def joint_items(first: str, second: str, split: str, count: int, seed: int = 0) -> list[SkillItem]:
     """`count` items that need both skills, from `split`'s templates of each.
 

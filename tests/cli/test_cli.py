@@ -38,6 +38,7 @@ COMMANDS = [
     "decide-replay",
     "export-records",
     "score-rule",
+    "fit-rule",
 ]
 WRITING_COMMANDS = [
     "merge",
@@ -57,6 +58,7 @@ WRITING_COMMANDS = [
     "decide-replay",
     "export-records",
     "score-rule",
+    "fit-rule",
 ]
 
 
@@ -119,6 +121,7 @@ VALID_ARGUMENTS = {
     "decide-replay": ["--records", "records.json", "--out", "out"],
     "export-records": ["--predict", "runs/predict", "--out", "out.json"],
     "score-rule": ["--records", "records.json", "--out", "rule.json"],
+    "fit-rule": ["--records", "records.json", "--out", "out"],
 }
 
 

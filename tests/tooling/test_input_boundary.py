@@ -364,6 +364,8 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "cli:score-rule": "reads a rule file (load_rule: check_text_file) and a records file (load_records: read_utf8), "
     "JSON its own commands wrote; corrupt ones are refused in tests/studies/test_records.py and "
     "tests/analysis/test_real_settings_score.py",
+    "cli:fit-rule": "reads a records file (load_records: read_utf8), the JSON export-records writes; a corrupt one is "
+    "refused in tests/studies/test_records.py",
     "cli:decide-replay": "reads a records file (load_records: read_utf8), the JSON export-records writes; a corrupt "
     "one is refused in tests/studies/test_records.py",
     "cli:joint-task": "writes a task file from the skill-pairs data generator; it reads no file",
