@@ -201,11 +201,21 @@ def export_records(
     predict: Iterable[str | os.PathLike] = (),
     alpha: float = ALPHA,
     floor: float = FLOOR,
+    keep: SettingsRecords | None = None,
 ) -> SettingsRecords:
     """The records of finished real-sweep folders (results.json and their cells) and predict-sweep folders
-    (predict.json). A setting name found in two sweeps is prefixed by its sweep's name (`<sweep>/<name>`)."""
+    (predict.json). A setting name found in two sweeps is prefixed by its sweep's name (`<sweep>/<name>`).
+
+    `keep`: an earlier records file whose sweeps and settings are kept, but for the sweeps read again here (same
+    name): so a file grows by a new sweep without the folders of the sweeps it already holds. Its `alpha` and
+    `floor` must be these."""
     sweeps: list[SweepSource] = []
     settings: list[SettingRecord] = []
+    if keep is not None and (keep.alpha, keep.floor) != (alpha, floor):
+        raise ValueError(
+            f"`keep`'s records were labelled at alpha {keep.alpha}, floor {keep.floor}; these are labelled at "
+            f"alpha {alpha}, floor {floor}: export them all again from their sweeps"
+        )
     for folder in real:
         results = _read_json(Path(folder) / "results.json", "--real", folder)
         sweeps.append(SweepSource(name=results["name"], config_hash=results["config_hash"], kind="real-sweep"))
@@ -216,6 +226,10 @@ def export_records(
         settings += [_synthetic_setting(results, record, alpha, floor) for record in results["settings"]]
     if not sweeps:
         raise ValueError("no sweeps: give at least one real-sweep folder (--real) or predict-sweep folder (--predict)")
+    if keep is not None:
+        again = {sweep.name for sweep in sweeps}
+        sweeps = [sweep for sweep in keep.sweeps if sweep.name not in again] + sweeps
+        settings = [setting for setting in keep.settings if setting.sweep not in again] + settings
     counts = Counter(setting.name for setting in settings)
     settings = [
         setting.model_copy(update={"name": f"{setting.sweep}/{setting.name}"}) if counts[setting.name] > 1 else setting

@@ -45,9 +45,15 @@ def add_commands(subparsers) -> None:
         metavar="FILE",
         help="the records file to write, e.g. docs/results/data/settings_records.json",
     )
+    export.add_argument(
+        "--keep",
+        metavar="FILE",
+        help="a records file whose sweeps and settings are kept (but for the sweeps given again): to add a sweep to "
+        "a file without the folders of the sweeps it holds",
+    )
     export.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     add_common_flags(export)
-    declare_paths(export, inputs=("real", "predict"), outputs=(), output_files=("out",))
+    declare_paths(export, inputs=("real", "predict", "keep"), outputs=(), output_files=("out",))
     export.set_defaults(func=run_export_records)
 
     score = subparsers.add_parser(
@@ -149,7 +155,8 @@ def run_export_records(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.overwrite:
         raise FileExistsError(f"`--out` {args.out!r} exists; give --overwrite to replace it")
-    records = export_records(args.real, args.predict)
+    keep = None if args.keep is None else load_records(args.keep)
+    records = export_records(args.real, args.predict, keep=keep)
     write_records(records, out)
     print(relabel_table(relabel_counts(records)))
     if not args.quiet:

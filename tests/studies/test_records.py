@@ -311,6 +311,40 @@ def test_the_command_writes_the_file_and_prints_the_recount(sweeps, tmp_path, ca
     assert main([*arguments, "--overwrite", "--quiet"]) == 0
 
 
+def test_keep_adds_a_sweep_to_an_earlier_file_without_its_folders(sweeps, tmp_path, capsys):
+    first = tmp_path / "first.json"
+    assert (
+        main(
+            [
+                "export-records",
+                "--real",
+                str(sweeps["smollm2"]),
+                "--predict",
+                str(sweeps["predict"]),
+                "--out",
+                str(first),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    grown = tmp_path / "grown.json"
+    assert main(["export-records", "--keep", str(first), "--real", str(sweeps["gemma"]), "--out", str(grown)]) == 0
+    capsys.readouterr()
+    together = export_records([sweeps["smollm2"], sweeps["gemma"]], [sweeps["predict"]])
+    kept = load_records(grown)
+    # The same settings as one export of all three folders (the clash of names prefixed alike), in the kept
+    # file's order then the new sweep's.
+    assert {s.name: s for s in kept.settings} == {s.name: s for s in together.settings}
+    assert [s.name for s in kept.sweeps] == ["real_settings", "predict", "real_settings_gemma"]
+    # A sweep given again replaces its kept settings rather than adding them twice.
+    again = export_records([sweeps["smollm2"]], keep=load_records(first))
+    assert sorted(s.name for s in again.settings) == sorted(s.name for s in load_records(first).settings)
+    with pytest.raises(ValueError, match="labelled at alpha 0.05, floor 0.1; these are labelled at alpha 0.01"):
+        export_records([sweeps["gemma"]], alpha=0.01, keep=load_records(first))
+
+
 def test_the_command_refuses_bad_folders_and_outputs_in_one_line(sweeps, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     out = str(tmp_path / "records.json")

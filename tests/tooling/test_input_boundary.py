@@ -359,8 +359,9 @@ DOES_NOT_READ_USER_FILES: dict[str, str] = {
     "cli:fetch-model": "downloads a registry model's wheels and checks them by their registry sha256",
     "cli:fit-verdict": "reads only the JSON results its own sweeps wrote (predict.json, results.json), no model or "
     "tensor file; a missing, corrupt or pre-version-2 results file is a row of tests/cli/bad_inputs/fit_verdict.py",
-    "cli:export-records": "reads only the JSON its own sweeps wrote (results.json, its cells, predict.json), no model "
-    "or tensor file; a missing or corrupt results file is refused in tests/studies/test_records.py",
+    "cli:export-records": "reads only the JSON its own sweeps wrote (results.json, its cells, predict.json) and a "
+    "records file (--keep, load_records: read_utf8), no model or tensor file; a missing or corrupt results file "
+    "is refused in tests/studies/test_records.py",
     "cli:score-rule": "reads a rule file (load_rule: check_text_file) and a records file (load_records: read_utf8), "
     "JSON its own commands wrote; corrupt ones are refused in tests/studies/test_records.py and "
     "tests/analysis/test_real_settings_score.py",
