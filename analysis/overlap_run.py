@@ -21,6 +21,7 @@ from mergecompose.analysis.input_interference import input_interference
 from mergecompose.analysis.measure import measure_overlap, rollout_batches
 from mergecompose.analysis.overlap_report import write_outputs
 from mergecompose.analysis.overlap_settings import OverlapSettings
+from mergecompose.analysis.own_prompts import own_prompt_statistics
 from mergecompose.analysis.predict import (
     RULE_FILE,
     check_rule_diagnostics,
@@ -381,6 +382,8 @@ def run_overlap(config: OverlapRunConfig, progress: bool = True) -> dict:
     results["expert_data"] = {
         name: measured_rollouts(name, own, f"{name}'s own prompts")[1] for name, own in own_prompts.items()
     }
+    # Flat, over the experts: None unless every expert has its own prompts (`own_prompt_statistics`).
+    results["own_prompt_statistics"] = own_prompt_statistics(results["expert_data"], composed.expert_names)
     results["experts_loaded"] = dict(zip(composed.expert_names, config.experts))
 
     resolved = config.model_dump()

@@ -9,7 +9,8 @@ or another that is given the folder:
    stops the sweep there, before any setting is evaluated, in one line naming both scores;
 4. **settings**: each setting's `SettingRun` (`OUT/settings/<name>/cells`), its label, and its diagnostics: the
    flat `unlabelled_diagnostics` of the composition's own rollouts on the joint validation prompts, with the
-   task-arithmetic merge at λ = 1 for the merge–compose gap and the experts' task vectors (`diagnostics.json`);
+   task-arithmetic merge at λ = 1 for the merge–compose gap and the experts' task vectors, and each expert on its
+   own skill's validation prompts (`own_prompt_statistics`) (`diagnostics.json`);
 5. **outputs**: results.json, results.md, and one plot per diagnostic against (best composition − best merge).
 """
 
@@ -27,6 +28,7 @@ from scipy.stats import spearmanr
 from transformers import AutoTokenizer
 
 from mergecompose.analysis import OverlapSettings, rollout_batches
+from mergecompose.analysis.own_prompts import OWN_PROMPT_STATISTICS, own_prompt_reports, own_prompt_statistics
 from mergecompose.analysis.paired_outcome import OUTCOMES
 from mergecompose.analysis.predict import diagnostic_names, unlabelled_diagnostics
 from mergecompose.composition.remedies import RemedySettings
@@ -298,30 +300,50 @@ def setting_record(
 
 def setting_diagnostics(config: RealSweepConfig, setting: SettingRun, items, folder: Path) -> dict:
     """`unlabelled_diagnostics` of the composition (weights 1) on its own rollouts of the validation prompts, with the
-    LoRA experts' input interference.
+    LoRA experts' input interference; and `own_prompt_statistics`: each expert's greedy rollouts of as many of its own
+    skill's validation prompts (no joint item), measured through every model.
 
-    Cached in `diagnostics.json` apart from the systems' cells: a cached file that lacks one of today's diagnostics
-    (`diagnostic_names`, e.g. a setting measured before a diagnostic was added) is measured again, and only it,
-    so an existing setting gains the new diagnostics without re-evaluating its systems."""
+    Cached in `diagnostics.json` apart from the systems' cells, in two groups: a cached file that lacks one of
+    today's diagnostics of a group (`diagnostic_names`, or `OWN_PROMPT_STATISTICS`: e.g. a setting measured before
+    they were added) has that group measured again, and only it, so an existing setting gains the new diagnostics
+    without re-evaluating its systems or the other group."""
     path = folder / "diagnostics.json"
-    if path.is_file():
-        cached = json.loads(path.read_text(encoding="utf-8"))
-        if set(diagnostic_names(config.diagnostics)) <= set(cached):
-            return cached
+    cached = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    rollout_missing = not set(diagnostic_names(config.diagnostics)) <= set(cached)
+    own_missing = not set(OWN_PROMPT_STATISTICS) <= set(cached)
+    if not rollout_missing and not own_missing:
+        return cached
     stop = end_of_turn_id(setting.tokenizer)
-    prompts = [item.prompt for item in items]
-    batches = [generation_inputs(setting.tokenizer, prompts[i : i + 8]) for i in range(0, len(prompts), 8)]
+
+    def batches_of(prompts: list[str]) -> list[dict]:
+        return [generation_inputs(setting.tokenizer, prompts[i : i + 8]) for i in range(0, len(prompts), 8)]
+
     merged = setting.merged_model("task_arithmetic", {"lam": 1.0})
-    task_vectors = dict(zip(setting.experts, setting.task_vectors()))
-    # The composition runs on the base itself, so the input interference's adapters go onto a copy of it.
-    adapters = (copy.deepcopy(setting.base), setting.experts)
+    flat = dict(cached)
     with setting.composed([1.0, 1.0]) as composed:
-        rollouts = rollout_batches(
-            composed, batches, max_new_tokens=config.rollout_tokens, eos_token_id=stop, pad_token_id=stop
-        )
-        flat, _ = unlabelled_diagnostics(
-            composed, rollouts, merged, task_vectors, config.diagnostics, adapters=adapters
-        )
+        if rollout_missing:
+            task_vectors = dict(zip(setting.experts, setting.task_vectors()))
+            # The composition runs on the base itself, so the input interference's adapters go onto a copy of it.
+            adapters = (copy.deepcopy(setting.base), setting.experts)
+            rollouts = rollout_batches(
+                composed,
+                batches_of([item.prompt for item in items]),
+                max_new_tokens=config.rollout_tokens,
+                eos_token_id=stop,
+                pad_token_id=stop,
+            )
+            flat.update(
+                unlabelled_diagnostics(composed, rollouts, merged, task_vectors, config.diagnostics, adapters=adapters)[
+                    0
+                ]
+            )
+        if own_missing:  # each expert on its own skill's validation prompts
+            own = {
+                skill: batches_of([i.prompt for i in skill_items(skill, "validation", len(items), config.seed)])
+                for skill in setting.experts
+            }
+            reports = own_prompt_reports(composed, own, merged, config.diagnostics, config.rollout_tokens, stop, stop)
+            flat.update(own_prompt_statistics(reports, list(setting.experts)))
     flat = {key: (None if value is None or value != value else float(value)) for key, value in flat.items()}
     atomic_write_text(path, json.dumps(flat, indent=1) + "\n")
     return flat

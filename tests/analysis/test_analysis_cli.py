@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from mergecompose.analysis.data import Record, char_tokenizer, encode_records, make_batches, read_jsonl
+from mergecompose.analysis.own_prompts import OWN_PROMPT_STATISTICS, own_prompt_statistics
 from mergecompose.cli import main
 from mergecompose.core.tiny import random_lora_adapter
 from mergecompose.merging import merge
@@ -227,6 +228,16 @@ def test_overlap_cli_measures_each_expert_on_its_own_prompts(workspace, capsys):
     assert measured["num_positions"] == rollouts["num_positions"] > 0
     assert measured["experts"]["ab"]["retention"] == rollouts["experts"]["ab"]["retention"]
     assert measured["retention"] == rollouts["retention"]
+    # Over the experts, only where each has its own prompts: here "lora" has none.
+    assert results["own_prompt_statistics"] == dict.fromkeys(OWN_PROMPT_STATISTICS)
+    both = workspace / "out_expert_data_both"
+    argv = [*common, "--data", str(workspace / "data.jsonl"), "--expert-data", f"ab={own}"]
+    assert main([*argv, "--expert-data", f"lora={own}", "--out", str(both)]) == 0
+    measured_both = json.loads((both / "overlap.json").read_text())
+    flat = measured_both["own_prompt_statistics"]
+    assert flat == own_prompt_statistics(measured_both["expert_data"], ["ab", "lora"])
+    rates = [measured_both["expert_data"][n]["experts"][n]["top1_shift_rate"] for n in ("ab", "lora")]
+    assert flat["own_base_top1_agreement_min"] == pytest.approx(1 - max(rates))
     report = (out / "overlap.md").read_text()
     assert "## Which side keeps each expert's decisions (ab on its own prompts (its greedy outputs))" in report
     assert "ab's own prompts" in report  # a headline row

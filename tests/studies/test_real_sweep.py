@@ -16,10 +16,11 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from mergecompose.analysis.own_prompts import OWN_PROMPT_STATISTICS
 from mergecompose.analysis.paired_outcome import paired_outcome
 from mergecompose.cli import main
 from mergecompose.studies.math_code.chat_data import generation_inputs
-from mergecompose.studies.skill_pairs import setting_run, skill_experts
+from mergecompose.studies.skill_pairs import real_sweep, setting_run, skill_experts
 from mergecompose.studies.skill_pairs.real_sweep import claims_markdown, paper_claims
 from mergecompose.studies.skill_pairs.skill_data import joint_items
 from mergecompose.studies.skill_pairs.skill_scoring import score_item
@@ -99,6 +100,9 @@ def test_the_scaled_sweep_end_to_end(sweep, capsys):
     for key in ("top1_shift_rate_mean", "merge_compose_kl", "projective_error_dominant", "coactivation_rate@0.1"):
         assert key in record["diagnostics"], key
     assert record["diagnostics"]["merge_compose_kl"] is not None and record["diagnostics"]["merge_compose_kl"] >= 0
+    assert set(OWN_PROMPT_STATISTICS) <= set(record["diagnostics"])  # each expert on its own skill's prompts
+    assert 0 <= record["diagnostics"]["own_base_top1_agreement_min"] <= 1
+    assert record["diagnostics"]["own_base_logprob_min"] < 0
     assert {"base", "experts", "bars", "settings"} <= set(results["stage_seconds"])
     assert results["cells"]["runs"]["settings/units+json"]["pid"] == os.getpid()  # the local executor: here
     # Each piece's own time, kept where it was made: the experts' training, the cells (first run: all made here).
@@ -168,12 +172,21 @@ def test_a_setting_measured_before_a_diagnostic_gains_it_without_its_systems_aga
         raise AssertionError("a cached system was evaluated again")
 
     monkeypatch.setattr(setting_run, "model_answers", refuse)
+    # A rollout diagnostic missing: that group alone is measured again (the own-prompt one is not).
+    monkeypatch.setattr(real_sweep, "own_prompt_reports", refuse)
     assert main(["real-sweep", str(lenient), "--out", str(out), "--quiet"]) == 0
     after = json.loads(path.read_text())
     assert set(after) == set(before)
     assert after == pytest.approx(before, nan_ok=True)  # measured again on the same rollouts
     record = json.loads((out / "results.json").read_text())["settings"][0]
     assert "retention_kept_min_compose" in record["diagnostics"]
+    # An own-prompt diagnostic missing: that group alone.
+    monkeypatch.undo()
+    monkeypatch.setattr(setting_run, "model_answers", refuse)
+    monkeypatch.setattr(real_sweep, "unlabelled_diagnostics", refuse)
+    path.write_text(json.dumps({key: value for key, value in before.items() if key != "own_base_logprob_min"}))
+    assert main(["real-sweep", str(lenient), "--out", str(out), "--quiet"]) == 0
+    assert json.loads(path.read_text()) == pytest.approx(before, nan_ok=True)
 
 
 def test_the_paper_s_claims_from_hand_made_settings():
