@@ -36,10 +36,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--expert",
         nargs="+",
+        action="extend",
         default=None,
         metavar="DIR",
-        help="the experts of --model (adapters or full checkpoints); default: two LoRA adapters of rank 8 "
-        "trained here for a few steps (benchmarks/real_model.py)",
+        help="the experts of --model (adapters or full checkpoints), repeated (--expert A --expert B) as in the "
+        "commands, or several after one flag; default: two LoRA adapters of rank 8 trained here for a few steps "
+        "(benchmarks/real_model.py)",
     )
 
 

@@ -1,5 +1,6 @@
 """Each benchmark runs end to end at tiny sizes. No figure is asserted: these only prove they run."""
 
+import argparse
 import json
 
 import pytest
@@ -7,6 +8,7 @@ from transformers import AutoTokenizer
 
 from benchmarks import decode, merge, precision
 from benchmarks import lm_eval as lm_eval_benchmark
+from benchmarks.real_model import add_model_arguments
 from mergecompose.studies.math_code.math_problems import math_split
 
 
@@ -131,3 +133,15 @@ def test_decode_benchmark_refuses_math_prompts_it_cannot_build(argv, message, ca
     with pytest.raises(SystemExit) as exit_info:
         decode.main([*argv, "--batch-sizes", "1", "8"])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--expert", "a", "--expert", "b"], ["--expert", "a", "b"], ["--expert", "a", "--expert", "b", "c"]],
+)
+def test_the_experts_are_every_expert_flag_s_values(argv):
+    """`--expert A --expert B` keeps both, as the commands do; `--expert A B` does too."""
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    assert parser.parse_args(argv).expert == [value for value in argv if value != "--expert"]
+    assert parser.parse_args([]).expert is None
