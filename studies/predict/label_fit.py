@@ -27,7 +27,7 @@ from sklearn.tree import DecisionTreeClassifier
 
 from mergecompose.analysis.label_rule import Cut, LabelRule, Leaf
 from mergecompose.analysis.paired_outcome import OUTCOMES
-from mergecompose.studies.predict.paired_verdict import accuracy
+from mergecompose.studies.predict.paired_verdict import accuracy, usable_features
 from mergecompose.studies.predict.records import SettingRecord
 from mergecompose.studies.predict.stats import correlation_with_interval
 from mergecompose.studies.skill_pairs.skill_data import pair_kind
@@ -42,16 +42,6 @@ def majority(labels: Iterable[str]) -> str:
     """The most common label; ties go to the first in `OUTCOMES` ("merge", "compose", "either", "neither")."""
     counts = Counter(labels)
     return max(OUTCOMES, key=lambda label: (counts[label], -OUTCOMES.index(label)))
-
-
-def usable_features(settings: Sequence[SettingRecord]) -> list[str]:
-    """The diagnostics every setting has, finite, that are not constant across them, in the first one's order."""
-    names = []
-    for name in settings[0].diagnostics:
-        values = [s.diagnostics.get(name) for s in settings]
-        if all(value is not None and math.isfinite(value) for value in values) and len(set(values)) > 1:
-            names.append(name)
-    return names
 
 
 def _node(tree, index: int, names: Sequence[str], classes: Sequence[str]) -> Cut | Leaf:
